@@ -1,0 +1,1 @@
+"""Example models and training scripts (importable so tests can use the models)."""

@@ -1,0 +1,1 @@
+"""A nanoGPT-style GPT and a script that trains it with nnscaler."""

@@ -1,0 +1,41 @@
+"""nnscaler: a source-to-source parallelizing compiler for PyTorch (public names follow nnScaler v0.8)."""
+
+from nnscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
+from nnscaler.errors import CodegenError, ConfigError, PartitionError, PlanError, TraceError
+from nnscaler.parallel import parallelize
+from nnscaler.runtime import (
+    ParallelModule,
+    broadcast_weights,
+    build_optimizer,
+    deduped_state_dict,
+    init,
+    load_deduped_state_dict,
+    load_merged_state_dict,
+    load_sharded_state_dict,
+    merge_state_dicts,
+    uninit,
+)
+from nnscaler.version import __version__
+
+__all__ = [
+    "__version__",
+    "ComputeConfig",
+    "ReuseType",
+    "BroadcastGenFilesStrategy",
+    "parallelize",
+    "ParallelModule",
+    "build_optimizer",
+    "merge_state_dicts",
+    "load_merged_state_dict",
+    "deduped_state_dict",
+    "load_deduped_state_dict",
+    "load_sharded_state_dict",
+    "broadcast_weights",
+    "init",
+    "uninit",
+    "TraceError",
+    "PlanError",
+    "PartitionError",
+    "CodegenError",
+    "ConfigError",
+]

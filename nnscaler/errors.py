@@ -1,0 +1,29 @@
+"""Typed errors. Each names what was wrong (node, source line, config field) and how to fix it."""
+
+from __future__ import annotations
+
+__all__ = ["NnScalerError", "ConfigError", "TraceError", "PlanError", "PartitionError", "CodegenError"]
+
+
+class NnScalerError(Exception):
+    """Base class of every error nnscaler raises on purpose."""
+
+
+class ConfigError(NnScalerError, ValueError):
+    """A configuration field has a bad value; the message names the field and the value."""
+
+
+class TraceError(NnScalerError):
+    """The model could not be captured, or an op cannot be handled; names the op and source line."""
+
+
+class PlanError(NnScalerError):
+    """A policy produced a plan that cannot be realised (e.g. a split the device count does not divide)."""
+
+
+class PartitionError(NnScalerError):
+    """A plan could not be turned into per-rank programs."""
+
+
+class CodegenError(NnScalerError):
+    """Generated code could not be rendered or did not parse."""

@@ -1,0 +1,223 @@
+"""Turn a torch.export program into our Graph, keeping source lines, module paths and state-dict names."""
+
+from __future__ import annotations
+
+import operator
+import os
+import re
+from typing import Any
+
+import torch
+import torch.fx
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+from nnscaler.errors import TraceError
+from nnscaler.graph.ir import Graph, Node, Ref, TensorMeta, Value, map_refs
+
+__all__ = ["convert_exported"]
+
+_DROPPED_OPS = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default"}
+
+
+def _meta_of(val: Any) -> TensorMeta | None:
+    if isinstance(val, torch.Tensor):
+        return TensorMeta(tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch."), bool(val.requires_grad))
+    return None
+
+
+def _source_of(fx_node: torch.fx.Node) -> str:
+    """'file.py:52  code' for the innermost user frame of the node's stack trace."""
+    trace = fx_node.meta.get("stack_trace") or ""
+    matches = list(re.finditer(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace))
+    if not matches:
+        return ""
+    user = [m for m in matches if "/torch/" not in m.group(1)]
+    m = (user or matches)[-1]
+    return f"{os.path.basename(m.group(1))}:{m.group(2)}  {m.group(3).strip()}"
+
+
+def _module_of(fx_node: torch.fx.Node) -> tuple[str, str]:
+    stack = fx_node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "", ""
+    path, cls = list(stack.values())[-1]
+    cls_name = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
+    return str(path), cls_name.rsplit(".", 1)[-1]
+
+
+class _Converter:
+    def __init__(self, ep: torch.export.ExportedProgram, module: torch.nn.Module, forward_args: list[str]):
+        self.ep = ep
+        self.module = module
+        self.graph = Graph(module_class=f"{type(module).__module__}.{type(module).__qualname__}", forward_args=forward_args)
+        self.env: dict[str, Any] = {}  # fx node name -> Ref / list of Refs / constant
+        self.names: set[str] = set()
+        self.tied = self._tied_names()
+        self.by_target: dict[str, str] = {}
+
+    def _tied_names(self) -> dict[str, list[str]]:
+        groups: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(p), []).append(name)
+        for name, b in self.module.named_buffers(remove_duplicate=False):
+            groups.setdefault(id(b), []).append(name)
+        return {n: names for names in groups.values() for n in names}
+
+    def _fresh(self, base: str) -> str:
+        name = re.sub(r"\W", "_", base)
+        if name[:1].isdigit():
+            name = "v_" + name
+        cand, i = name, 1
+        while cand in self.names:
+            cand, i = f"{name}_{i}", i + 1
+        self.names.add(cand)
+        return cand
+
+    def convert(self) -> Graph:
+        specs = {spec.arg.name: spec for spec in self.ep.graph_signature.input_specs}
+        non_persistent = set(self.ep.graph_signature.non_persistent_buffers) if hasattr(
+            self.ep.graph_signature, "non_persistent_buffers") else set()
+        for fx_node in self.ep.graph.nodes:
+            if fx_node.op == "placeholder":
+                self._placeholder(fx_node, specs[fx_node.name], non_persistent)
+            elif fx_node.op == "call_function":
+                self._call(fx_node, self.ep.graph_module, no_grad=False)
+            elif fx_node.op == "output":
+                self._output(fx_node)
+            elif fx_node.op == "get_attr":
+                self.env[fx_node.name] = fx_node.target  # submodule name for higher-order ops
+        return self.graph
+
+    def _placeholder(self, fx_node, spec, non_persistent) -> None:
+        meta = _meta_of(fx_node.meta.get("val"))
+        if spec.kind == InputKind.PARAMETER:
+            kind, target = "param", spec.target
+        elif spec.kind == InputKind.BUFFER:
+            kind, target = "buffer", spec.target
+        elif spec.kind == InputKind.USER_INPUT:
+            kind, target = "input", fx_node.name
+        else:
+            raise TraceError(
+                f"forward creates a constant tensor ({fx_node.name}, {spec.kind.name}); this is not supported yet: "
+                "register it as a buffer (self.register_buffer) instead"
+            )
+        if kind == "input" and meta is None:
+            self.env[fx_node.name] = fx_node.meta.get("val")
+            return
+        if kind != "input":
+            canonical = self.tied.get(target, [target])[0]
+            if canonical in self.by_target:  # a tied weight lifted twice: one value for both names
+                self.env[fx_node.name] = Ref(self.by_target[canonical])
+                return
+            target = canonical
+        base = target if kind != "input" else fx_node.name
+        name = self._fresh(base)
+        if kind != "input":
+            self.by_target[target] = name
+        aliases = tuple(n for n in self.tied.get(target, [target]) if n != target) if kind != "input" else ()
+        if kind == "param":
+            meta = TensorMeta(meta.shape, meta.dtype, True) if meta else meta
+        persistent = not (kind == "buffer" and (not spec.persistent if hasattr(spec, "persistent") and spec.persistent is not None else target in non_persistent))
+        self.graph.values[name] = Value(name, meta, kind, None, target, aliases, persistent)
+        if kind == "input":
+            self.graph.inputs.append(name)
+        self.env[fx_node.name] = Ref(name)
+
+    def _arg(self, a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return self.env[a.name]
+        if isinstance(a, (list, tuple)):
+            items = [self._arg(x) for x in a]
+            return items if isinstance(a, list) else tuple(items)
+        if isinstance(a, dict):
+            return {k: self._arg(v) for k, v in a.items()}
+        return a
+
+    def _call(self, fx_node: torch.fx.Node, gm: torch.fx.GraphModule, no_grad: bool) -> None:
+        target = fx_node.target
+        if target is operator.getitem:
+            container = self.env[fx_node.args[0].name]
+            self.env[fx_node.name] = container[fx_node.args[1]]
+            return
+        name = getattr(target, "__name__", str(target))
+        if name == "wrap_with_set_grad_enabled":
+            self._inline(fx_node, gm, enabled=fx_node.args[0])
+            return
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            raise TraceError(f"higher-order op {name} at {_source_of(fx_node)} is not supported yet")
+        op = str(target)
+        if op in _DROPPED_OPS:
+            return
+        args, kwargs = self._arg(fx_node.args), self._arg(fx_node.kwargs)
+        val = fx_node.meta.get("val")
+        source = _source_of(fx_node)
+        mpath, mcls = _module_of(fx_node)
+        node_name = self._fresh(fx_node.name)
+        outputs: list[str] = []
+        if isinstance(val, (list, tuple)):
+            refs = []
+            for i, item in enumerate(val):
+                vname = self._fresh(f"{node_name}_{i}")
+                self.graph.values[vname] = Value(vname, _meta_of(item), "activation", node_name)
+                outputs.append(vname)
+                refs.append(Ref(vname))
+            self.env[fx_node.name] = refs
+        elif val is None and not isinstance(val, torch.Tensor):
+            self.env[fx_node.name] = None
+        else:
+            self.graph.values[node_name] = Value(node_name, _meta_of(val), "activation", node_name)
+            outputs.append(node_name)
+            self.env[fx_node.name] = Ref(node_name)
+        self.graph.nodes.append(
+            Node(node_name, op, tuple(args), dict(kwargs), outputs, source, mpath, mcls, no_grad,
+                 isinstance(val, (list, tuple)))
+        )
+
+    def _inline(self, fx_node: torch.fx.Node, gm: torch.fx.GraphModule, enabled: bool) -> None:
+        sub = getattr(gm, fx_node.args[1].target)
+        operands = [self.env[a.name] if isinstance(a, torch.fx.Node) else a for a in fx_node.args[2:]]
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        for ph, operand in zip(placeholders, operands):
+            self.env[ph.name] = operand
+        for n in sub.graph.nodes:
+            if n.op == "call_function":
+                self._call(n, sub, no_grad=not enabled)
+            elif n.op == "output":
+                out = self._arg(n.args[0])
+                self.env[fx_node.name] = list(out) if isinstance(out, (list, tuple)) else [out]
+
+    def _output(self, fx_node: torch.fx.Node) -> None:
+        specs = self.ep.graph_signature.output_specs
+        flat = list(fx_node.args[0])
+        user = []
+        for spec, item in zip(specs, flat):
+            if spec.kind == OutputKind.USER_OUTPUT:
+                user.append(self._arg(item) if isinstance(item, torch.fx.Node) else item)
+            else:
+                raise TraceError(
+                    f"forward mutates {spec.target} ({spec.kind.name}); in-place updates of buffers or inputs "
+                    "are not supported yet"
+                )
+        self.graph.outputs = user
+        self.graph.out_spec = pytree.treespec_dumps(self.ep.call_spec.out_spec)
+
+
+def convert_exported(ep: torch.export.ExportedProgram, module: torch.nn.Module, forward_args: list[str]) -> Graph:
+    """Build a Graph from an exported program; values keep state-dict names, nodes keep source lines."""
+    graph = _Converter(ep, module, forward_args).convert()
+    _propagate_requires_grad(graph)
+    return graph
+
+
+def _propagate_requires_grad(graph: Graph) -> None:
+    """A value needs grad when it is a float output of a grad-enabled node with a grad-needing input."""
+    for node in graph.nodes:
+        needs = not node.no_grad and any(
+            graph.values[n].meta is not None and graph.values[n].meta.requires_grad for n in node.input_names()
+        )
+        for out in node.outputs:
+            v = graph.values[out]
+            if v.meta is not None:
+                v.meta = TensorMeta(v.meta.shape, v.meta.dtype, bool(needs and v.meta.is_float))
+    _ = map_refs  # re-exported helper kept for passes

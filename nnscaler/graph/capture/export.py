@@ -1,0 +1,76 @@
+"""Run torch.export (training IR, strict=False) on a module with dummy keyword inputs."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import traceback
+from typing import Any
+
+import torch
+
+from nnscaler.errors import TraceError
+
+__all__ = ["check_forward_args", "export_module"]
+
+
+def check_forward_args(module: torch.nn.Module, dummy_forward_args: dict[str, Any]) -> list[str]:
+    """Check dummy args against forward's signature; return the names traced, in signature order."""
+    if not isinstance(dummy_forward_args, dict):
+        raise TraceError(
+            f"dummy_forward_args must be a dict of forward argument name -> value, got "
+            f"{type(dummy_forward_args).__name__}"
+        )
+    sig = inspect.signature(module.forward)
+    params = sig.parameters
+    names = []
+    for name, p in params.items():
+        if p.kind == p.POSITIONAL_ONLY:
+            raise TraceError(f"{type(module).__name__}.forward has positional-only argument {name!r}; not supported")
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if name in dummy_forward_args:
+            names.append(name)
+        elif p.default is p.empty:
+            raise TraceError(
+                f"dummy_forward_args is missing forward argument {name!r} of "
+                f"{type(module).__name__}.forward{sig}: add a dummy value for it"
+            )
+    has_var_kw = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    unknown = [k for k in dummy_forward_args if k not in params]
+    if unknown and not has_var_kw:
+        raise TraceError(
+            f"dummy_forward_args has {unknown} which {type(module).__name__}.forward{sig} does not take"
+        )
+    return names + unknown
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost traceback frame outside torch/nnscaler: where the user's code failed."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        if "/torch/" not in frame.filename and "/nnscaler/" not in frame.filename:
+            return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}: {frame.line}'
+    text = str(exc)
+    m = re.search(r'File "([^"]+)", line (\d+)', text)
+    return m.group(0) if m else "unknown location"
+
+
+def export_module(module: torch.nn.Module, kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
+    """torch.export the module; turn capture failures into TraceErrors that name the user's source line."""
+    try:
+        return torch.export.export(module, (), kwargs=kwargs, strict=False)
+    except Exception as exc:  # noqa: BLE001 - every capture failure is re-raised with context
+        msg = str(exc)
+        where = _user_frame(exc)
+        data_dependent = any(
+            key in msg
+            for key in ("data-dependent", "data dependent", "GuardOnDataDependentSymNode", "Could not guard on")
+        )
+        if data_dependent:
+            raise TraceError(
+                f"forward has data-dependent control flow at {where}: a Python `if`/loop on tensor values "
+                "cannot be captured. Rewrite it with tensor ops (torch.where, masking) or move the "
+                f"decision out of forward. torch.export said: {msg.splitlines()[0]}"
+            ) from exc
+        raise TraceError(f"torch.export could not capture the model at {where}: {msg.splitlines()[0]}") from exc

@@ -1,0 +1,27 @@
+"""The IR: graph, values, nodes, JSON serialization and invariants. A leaf package."""
+
+from nnscaler.graph.ir.graph import Graph, Node, Ref, TensorMeta, Value, iter_refs, map_refs
+from nnscaler.graph.ir.layout import Layout, Partial, Replicate, Shard, layout_from_json, layout_to_json
+from nnscaler.graph.ir.serialize import decode_const, encode_const, graph_from_json, graph_to_json
+from nnscaler.graph.ir.verify import verify
+
+__all__ = [
+    "Graph",
+    "Node",
+    "Ref",
+    "TensorMeta",
+    "Value",
+    "iter_refs",
+    "map_refs",
+    "graph_to_json",
+    "graph_from_json",
+    "encode_const",
+    "decode_const",
+    "verify",
+    "Layout",
+    "Partial",
+    "Replicate",
+    "Shard",
+    "layout_to_json",
+    "layout_from_json",
+]

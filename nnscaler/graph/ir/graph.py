@@ -1,0 +1,143 @@
+"""The compiler's IR: a straight-line graph of aten-level ops over named values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+__all__ = ["TensorMeta", "Value", "Ref", "Node", "Graph", "iter_refs", "map_refs"]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Static description of a tensor: its traced shape, dtype name and whether it carries gradient."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool = False
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat", "complex"))
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class Value:
+    """A tensor (or non-tensor) flowing through the graph.
+
+    kind: 'input' (a forward argument), 'param', 'buffer', 'activation'.
+    target: the forward argument name for inputs, the original state-dict name for params/buffers.
+    aliases: further state-dict names of the same tensor (tied weights).
+    """
+
+    name: str
+    meta: TensorMeta | None
+    kind: str = "activation"
+    producer: str | None = None
+    target: str | None = None
+    aliases: tuple[str, ...] = ()
+    persistent: bool = True
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.meta is not None
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A reference to a Value inside a node's args."""
+
+    name: str
+
+
+@dataclass
+class Node:
+    """One op call. `op` is the aten overload name, e.g. 'aten.linear.default'."""
+
+    name: str
+    op: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: list[str]
+    source: str = ""
+    module_path: str = ""
+    module_class: str = ""
+    no_grad: bool = False
+    tuple_output: bool = False
+    """The op returns a tuple/list (outputs are its items), e.g. split."""
+
+    def input_names(self) -> list[str]:
+        """Names of the values this node reads, in argument order (duplicates kept)."""
+        return [r.name for r in iter_refs((self.args, self.kwargs))]
+
+
+@dataclass
+class Graph:
+    """Ordered nodes plus the named values they read and write."""
+
+    values: dict[str, Value] = field(default_factory=dict)
+    nodes: list[Node] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)
+    """User input values in forward-signature order."""
+    forward_args: list[str] = field(default_factory=list)
+    """Names of the forward arguments the graph was traced with (in signature order)."""
+    outputs: list[Any] = field(default_factory=list)
+    """Flat outputs (Refs or constants), unflattened with `out_spec`."""
+    out_spec: str = ""
+    """torch.utils._pytree treespec_dumps of the forward's output structure."""
+    module_class: str = ""
+
+    def params(self) -> list[Value]:
+        return [v for v in self.values.values() if v.kind == "param"]
+
+    def buffers(self) -> list[Value]:
+        return [v for v in self.values.values() if v.kind == "buffer"]
+
+    def node(self, name: str) -> Node:
+        return self._node_index()[name]
+
+    def _node_index(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    def consumers(self) -> dict[str, list[Node]]:
+        """Map value name -> nodes that read it (each node once)."""
+        out: dict[str, list[Node]] = {name: [] for name in self.values}
+        for n in self.nodes:
+            for name in dict.fromkeys(n.input_names()):
+                out[name].append(n)
+        return out
+
+    def output_names(self) -> list[str]:
+        return [r.name for r in iter_refs(self.outputs)]
+
+
+def iter_refs(obj: Any) -> Iterator[Ref]:
+    """All Refs inside a nested structure of tuples, lists and dicts."""
+    if isinstance(obj, Ref):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from iter_refs(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_refs(item)
+
+
+def map_refs(obj: Any, fn) -> Any:
+    """Copy of a nested structure with each Ref replaced by fn(ref)."""
+    if isinstance(obj, Ref):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        return tuple(map_refs(x, fn) for x in obj)
+    if isinstance(obj, list):
+        return [map_refs(x, fn) for x in obj]
+    if isinstance(obj, dict):
+        return {k: map_refs(v, fn) for k, v in obj.items()}
+    return obj

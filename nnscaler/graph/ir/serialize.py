@@ -1,0 +1,102 @@
+"""Graph <-> JSON. No pickle: a compiled artifact must be safe to load."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from typing import Any
+
+from nnscaler.graph.ir.graph import Graph, Node, Ref, TensorMeta, Value
+
+__all__ = ["graph_to_json", "graph_from_json", "encode_const", "decode_const"]
+
+
+def encode_const(obj: Any) -> Any:
+    """Encode an argument structure (Refs, scalars, dtypes, devices...) into JSON-able data."""
+    import torch
+
+    if isinstance(obj, Ref):
+        return {"ref": obj.name}
+    if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
+        return obj
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return obj
+        return {"float": repr(obj)}
+    if isinstance(obj, tuple):
+        return {"tuple": [encode_const(x) for x in obj]}
+    if isinstance(obj, list):
+        return [encode_const(x) for x in obj]
+    if isinstance(obj, dict):
+        return {"dict": {k: encode_const(v) for k, v in obj.items()}}
+    if isinstance(obj, torch.dtype):
+        return {"dtype": str(obj).removeprefix("torch.")}
+    if isinstance(obj, torch.device):
+        return {"device": obj.type}
+    if isinstance(obj, torch.layout):
+        return {"layout": str(obj).removeprefix("torch.")}
+    if isinstance(obj, torch.memory_format):
+        return {"memory_format": str(obj).removeprefix("torch.")}
+    raise TypeError(f"cannot serialize argument {obj!r} of type {type(obj).__name__}")
+
+
+def decode_const(obj: Any) -> Any:
+    import torch
+
+    if isinstance(obj, list):
+        return [decode_const(x) for x in obj]
+    if not isinstance(obj, dict):
+        return obj
+    ((key, val),) = obj.items()
+    if key == "ref":
+        return Ref(val)
+    if key == "float":
+        return float(val)
+    if key == "tuple":
+        return tuple(decode_const(x) for x in val)
+    if key == "dict":
+        return {k: decode_const(v) for k, v in val.items()}
+    if key == "dtype":
+        return getattr(torch, val)
+    if key == "device":
+        return torch.device(val)
+    if key in ("layout", "memory_format"):
+        return getattr(torch, val)
+    raise ValueError(f"unknown encoded constant {obj!r}")
+
+
+def graph_to_json(graph: Graph) -> str:
+    data = {
+        "module_class": graph.module_class,
+        "forward_args": graph.forward_args,
+        "inputs": graph.inputs,
+        "values": [
+            {**asdict(v), "meta": asdict(v.meta) if v.meta else None, "aliases": list(v.aliases)}
+            for v in graph.values.values()
+        ],
+        "nodes": [
+            {**asdict(n), "args": encode_const(n.args), "kwargs": encode_const(n.kwargs)} for n in graph.nodes
+        ],
+        "outputs": encode_const(graph.outputs),
+        "out_spec": graph.out_spec,
+    }
+    return json.dumps(data, indent=1)
+
+
+def graph_from_json(text: str) -> Graph:
+    data = json.loads(text)
+    g = Graph(module_class=data["module_class"], forward_args=data["forward_args"], inputs=data["inputs"])
+    for v in data["values"]:
+        meta = v.pop("meta")
+        v["aliases"] = tuple(v["aliases"])
+        g.values[v["name"]] = Value(
+            meta=TensorMeta(tuple(meta["shape"]), meta["dtype"], meta["requires_grad"]) if meta else None, **v
+        )
+    for n in data["nodes"]:
+        n["args"] = decode_const(n["args"])
+        n["kwargs"] = decode_const(n["kwargs"])
+        g.nodes.append(Node(**n))
+    g.outputs = decode_const(data["outputs"])
+    g.out_spec = data["out_spec"]
+    return g

@@ -1,0 +1,39 @@
+"""Op annotations: the language, the registry (one file per op family) and binding to traced shapes."""
+
+from __future__ import annotations
+
+from nnscaler.errors import TraceError
+from nnscaler.graph.ir import Graph, Node
+from nnscaler.graph.ops import attention, creation, elementwise, embedding, linear, loss, norm, reduce, view  # noqa: F401
+from nnscaler.graph.ops.annotation import AnnotationError, DimAnno, OpAnno, TensorAnno, parse_annotation
+from nnscaler.graph.ops.bind import BoundAnno, bind_annotation
+from nnscaler.graph.ops.registry import OpCall, OpRule, Special, all_rules, get_rule, op_call, register_rule
+from nnscaler.graph.ops.split import SplitLayouts, is_bias_split, layouts_for, split_candidates, split_layouts
+
+__all__ = [
+    "AnnotationError", "DimAnno", "OpAnno", "TensorAnno", "parse_annotation", "BoundAnno", "bind_annotation",
+    "OpCall", "OpRule", "Special", "all_rules", "get_rule", "op_call", "register_rule", "SplitLayouts",
+    "split_candidates", "split_layouts", "annotate_node", "layouts_for", "is_bias_split",
+]
+
+
+def annotate_node(node: Node, graph: Graph) -> BoundAnno | None:
+    """The node's annotation bound to its traced shapes; None when the op has no rule."""
+    rule = get_rule(node.op)
+    if rule is None:
+        return None
+    call = op_call(node, graph)
+    try:
+        result = rule.annotate(call)
+        text, sizes = result if isinstance(result, tuple) else (result, None)
+        return bind_annotation(
+            parse_annotation(text),
+            [m.shape for m in call.inputs],
+            [m.shape if m is not None else None for m in call.outputs],
+            sizes,
+        )
+    except (AnnotationError, KeyError, IndexError, TypeError) as exc:
+        raise TraceError(
+            f"annotation of {node.op} (node {node.name}, {node.source or 'unknown source'}) does not fit its "
+            f"traced shapes: {exc}"
+        ) from exc

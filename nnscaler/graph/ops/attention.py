@@ -1,0 +1,30 @@
+"""Attention: split by batch or by heads; the sequence dims stay whole (softmax and causal masks)."""
+
+from __future__ import annotations
+
+from nnscaler.graph.ops.registry import OpCall, rule
+
+
+@rule("aten.scaled_dot_product_attention.default", "attention")
+def sdpa(call: OpCall) -> str:
+    q, k = call.inputs[0].shape, call.inputs[1].shape
+    heads = "h" if q[-3] == k[-3] else "h^"
+    kv_heads = "h" if q[-3] == k[-3] else "g^"
+    lead = "* " if len(q) > 3 else ""
+    ins = [f"{lead}{heads} s^ d^", f"{lead}{kv_heads} t^ d^", f"{lead}{kv_heads} t^ e^"]
+    if len(call.inputs) > 3:  # attn_mask broadcasts against (*, h, s, t)
+        mask = call.inputs[3].shape
+        full = ["_m"] * (len(q) - 3) + [heads.rstrip("^"), "s", "t"]
+        offset = len(full) - len(mask)
+        ids = []
+        for i, size in enumerate(mask):
+            name = full[i + offset]
+            target = (list(q[:-3]) + [q[-3], q[-2], k[-2]])[i + offset]
+            if size == 1 and target != 1:
+                ids.append("1")
+            elif name == "_m":
+                ids.append(f"_s{i + offset}")
+            else:
+                ids.append(name + ("^" if name in ("s", "t") or heads.endswith("^") else ""))
+        ins.append(" ".join(ids))
+    return ", ".join(ins) + f" -> {lead}{heads} s^ e^"

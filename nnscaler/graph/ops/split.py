@@ -1,0 +1,112 @@
+"""What splitting an op on one identifier means for the layouts of its inputs and outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nnscaler.graph.ir import Layout, Partial, Replicate, Shard
+from nnscaler.graph.ops.bind import BoundAnno
+
+__all__ = ["SplitLayouts", "split_layouts", "split_candidates", "layouts_for", "is_bias_split"]
+
+
+@dataclass(frozen=True)
+class SplitLayouts:
+    inputs: list[Layout | None]  # None: a '?' input (non-tensor or replicate-only)
+    outputs: list[Layout | None]
+
+
+def _tensor_layout(dims, ident: str, blocks: int, sizes: dict[str, int]) -> Layout | None | str:
+    """Shard/Replicate for one tensor, or an error string when the split cannot apply."""
+    hits = [(i, d) for i, d in enumerate(dims) if ident in d.ids]
+    if not hits:
+        return None
+    if len(hits) > 1:
+        return f"identifier {ident!r} appears in two dims of one tensor"
+    dim, d = hits[0]
+    pos = d.ids.index(ident)
+    if d.flags[pos] == "^":
+        return f"dim {dim} ('{d}') must not be split"
+    before = 1
+    for sub in d.ids[:pos]:
+        before *= int(sub) if sub.isdigit() else sizes[sub]
+    return Shard(dim, blocks * before)
+
+
+def split_layouts(bound: BoundAnno, ident: str, ways: int, blocks: int = 1) -> SplitLayouts | str:
+    """Layouts when the op is split `ways` ways on `ident` (each of `blocks` blocks split), or why not."""
+    anno = bound.anno
+    size = bound.sizes.get(ident)
+    if size is None:
+        return f"{ident!r} is not an identifier of '{anno}'"
+    if anno.flag_of(ident) == "^":
+        return f"{ident!r} must not be split in '{anno}'"
+    if size % (ways * blocks):
+        return f"{ident!r} has size {size}, which {ways} devices ({blocks} blocks) do not divide"
+    ins: list[Layout | None] = []
+    for t in anno.inputs:
+        if t.dims is None:
+            ins.append(None)
+            continue
+        lay = _tensor_layout(t.dims, ident, blocks, bound.sizes)
+        if isinstance(lay, str):
+            return lay
+        ins.append(lay if lay is not None else Replicate())
+    outs: list[Layout | None] = []
+    reducing = anno.flag_of(ident) == "+"
+    for t in anno.outputs:
+        if t.dims is None:
+            outs.append(None)
+            continue
+        lay = _tensor_layout(t.dims, ident, blocks, bound.sizes)
+        if isinstance(lay, str):
+            return lay
+        if lay is None:
+            if not reducing:
+                return f"output '{t}' does not carry {ident!r}, which is not a reduction dim"
+            lay = Partial()
+        outs.append(lay)
+    return SplitLayouts(ins, outs)
+
+
+def split_candidates(bound: BoundAnno, ways: int) -> list[str]:
+    """Identifiers the op may be split on `ways` ways (in annotation order)."""
+    out = []
+    for ident in bound.anno.identifiers():
+        if ident.isdigit() or ident not in bound.sizes:
+            continue
+        if not isinstance(split_layouts(bound, ident, ways), str):
+            out.append(ident)
+    return out
+
+
+def layouts_for(bound: BoundAnno, rule, ident: str | None, ways: int, blocks: int = 1) -> SplitLayouts | str:
+    """Layouts of a node split per (ident, ways, blocks), honouring the rule's specials and bias.
+
+    Replicated (ident None or ways 1): every tensor input and output is Replicate.
+    A split on a '+' dim of an op with a bias: the bias is added once after the reduction, so the
+    output is Replicate (the local op runs without bias, then all-reduce, then the bias add).
+    """
+    if ident is None or ways == 1:
+        return SplitLayouts(
+            [None if t.dims is None else Replicate() for t in bound.anno.inputs],
+            [None if t.dims is None else Replicate() for t in bound.anno.outputs],
+        )
+    result = split_layouts(bound, ident, ways, blocks)
+    if isinstance(result, str):
+        return result
+    special = rule.specials.get(ident) if rule is not None else None
+    if special is not None and special.output == "replicate":
+        return SplitLayouts(result.inputs, [None if o is None else Replicate() for o in result.outputs])
+    if rule is not None and rule.bias_input is not None and bound.anno.flag_of(ident) == "+":
+        if rule.bias_input < len(result.inputs):
+            return SplitLayouts(result.inputs, [Replicate() for _ in result.outputs])
+    return result
+
+
+def is_bias_split(bound: BoundAnno, rule, ident: str | None, ways: int) -> bool:
+    """True when the op is split on its reduction dim and has a bias to add after the reduction."""
+    return (
+        ident is not None and ways > 1 and rule is not None and rule.bias_input is not None
+        and rule.bias_input < len(bound.anno.inputs) and bound.anno.flag_of(ident) == "+"
+    )

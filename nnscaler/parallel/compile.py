@@ -1,0 +1,59 @@
+"""Compile a module: capture -> plan -> partition -> codegen, writing the output directory."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from nnscaler.codegen import generate_code, write_atomic
+from nnscaler.config import ComputeConfig
+from nnscaler.graph.capture import capture
+from nnscaler.graph.ir import Graph, graph_from_json, graph_to_json
+from nnscaler.parallel.unannotated import check_unannotated
+from nnscaler.partition import apply_plan
+from nnscaler.policies import make_plan, resolve_policy
+
+__all__ = ["CompileResult", "compile_module"]
+
+
+@dataclass
+class CompileResult:
+    outdir: Path
+    graph: Graph
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def compile_module(module: torch.nn.Module, dummy_forward_args: dict, policy, cfg: ComputeConfig, outdir: Path,
+                   version: str, reuse_graph: bool = False) -> CompileResult:
+    """Write graph.json, plan.json, compute_config.json and gencode{rank}.py for every runtime rank."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    graph_file = outdir / "graph.json"
+    if reuse_graph and graph_file.exists():
+        graph = graph_from_json(graph_file.read_text())
+    else:
+        graph = capture(module, dummy_forward_args)
+        write_atomic(graph_file, graph_to_json(graph))
+    check_unannotated(graph)
+    seconds["capture"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    policy_name, _ = resolve_policy(policy)
+    plan = make_plan(graph, policy, cfg)
+    write_atomic(outdir / "plan.json", plan.to_json())
+    seconds["plan"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    program = apply_plan(graph, plan)
+    seconds["partition"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    full_shapes = {k: v.meta.shape for k, v in graph.values.items() if v.meta is not None}
+    for rank in range(cfg.runtime_ngpus):
+        src = generate_code(program, rank, cfg, graph.module_class, policy_name, full_shapes, version)
+        write_atomic(outdir / f"gencode{rank}.py", src)
+    write_atomic(outdir / "compute_config.json", json.dumps(cfg.to_dict(), indent=2, default=str))
+    seconds["codegen"] = time.perf_counter() - t0
+    return CompileResult(outdir, graph, seconds)

@@ -1,0 +1,252 @@
+"""apply_plan: split each node per the plan and insert communication between layouts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nnscaler.errors import PartitionError
+from nnscaler.graph.ir import Graph, Layout, Node, Partial, Ref, Replicate, Shard, TensorMeta, map_refs
+from nnscaler.graph.ops import annotate_node, get_rule, is_bias_split, layouts_for
+from nnscaler.partition.convert import GROUP, conversion_steps
+from nnscaler.partition.program import LocalTensor, Program, RankScaled, Statement
+from nnscaler.policies import Plan
+
+__all__ = ["apply_plan", "local_shape"]
+
+_SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.expand.default"}
+_CE_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def local_shape(shape: tuple[int, ...], layout: Layout, ways: int) -> tuple[int, ...]:
+    if isinstance(layout, Shard) and ways > 1:
+        out = list(shape)
+        out[layout.dim] //= ways
+        return tuple(out)
+    return tuple(shape)
+
+
+class _Partitioner:
+    def __init__(self, graph: Graph, plan: Plan):
+        self.graph, self.plan, self.ways = graph, plan, plan.plan_ngpus
+        self.program = Program(ways=self.ways, forward_args=list(graph.forward_args), out_spec=graph.out_spec)
+        self.layouts: dict[str, Layout] = {name: Replicate() for name in graph.inputs}
+        self.names: set[str] = set(graph.values)
+        self.cache: dict[tuple[str, Any], str] = {}
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _fresh(self, base: str) -> str:
+        name, i = base, 1
+        while name in self.names:
+            name, i = f"{base}_{i}", i + 1
+        self.names.add(name)
+        return name
+
+    def _meta(self, name: str, layout: Layout) -> None:
+        full = self.graph.values[name].meta if name in self.graph.values else None
+        if full is not None:
+            self.program.local_meta[name] = TensorMeta(local_shape(full.shape, layout, self.ways), full.dtype,
+                                                       full.requires_grad)
+
+    def _emit(self, stmt: Statement) -> None:
+        self.program.statements.append(stmt)
+
+    def _needs_grad(self, name: str) -> bool:
+        meta = self.graph.values[name].meta
+        return bool(meta is not None and meta.requires_grad and meta.is_float)
+
+    def _convert(self, name: str, dst: Layout, node: Node | None, sync_grad: bool) -> str:
+        """Local name of value `name` in layout dst; `sync_grad` adds Megatron's f for split consumers."""
+        src = self.layouts[name]
+        cur = name
+        key = (name, str(dst))
+        if src != dst:
+            if key in self.cache:
+                cur = self.cache[key]
+            else:
+                layout = src
+                for step in conversion_steps(src, dst):
+                    out = self._fresh(f"{name}_{step.suffix}")
+                    self._emit(Statement("comm", step.fn, (Ref(cur), *step.args), dict(step.kwargs), [out],
+                                         node.name if node else None, node.source if node else "",
+                                         node.module_path if node else "", node.module_class if node else ""))
+                    layout = step.result
+                    self.layouts[out] = layout
+                    self.graph_meta_alias(out, name, layout)
+                    cur = out
+                self.cache[key] = cur
+        if sync_grad and isinstance(dst, Replicate) and self._needs_grad(name):
+            fkey = (cur, "f")
+            if fkey not in self.cache:
+                out = self._fresh(f"{name}_tp")
+                self._emit(Statement("comm", "copy_to_group", (Ref(cur), GROUP), {}, [out],
+                                     node.name if node else None, node.source if node else "",
+                                     node.module_path if node else "", node.module_class if node else "",
+                                     note="f: identity forward, all-reduce of the gradient backward"))
+                self.layouts[out] = dst
+                self.graph_meta_alias(out, name, dst)
+                self.cache[fkey] = out
+            cur = self.cache[fkey]
+        return cur
+
+    def graph_meta_alias(self, new: str, orig: str, layout: Layout) -> None:
+        full = self.graph.values[orig].meta
+        if full is not None:
+            self.program.local_meta[new] = TensorMeta(local_shape(full.shape, layout, self.ways), full.dtype,
+                                                      full.requires_grad)
+
+    # ---- parameters ----------------------------------------------------------------------------
+    def _place_tensors(self) -> None:
+        """Storage layout of each parameter/buffer: what its first consumer needs."""
+        chosen: dict[str, Layout] = {}
+        for node in self.graph.nodes:
+            bound = annotate_node(node, self.graph)
+            np = self.plan.node(node.name)
+            refs = [r for r in _tensor_refs(node, self.graph)]
+            if bound is None:
+                reqs: list[Layout | None] = [Replicate()] * len(refs)
+            else:
+                lay = layouts_for(bound, get_rule(node.op), np.split, np.ways if np.split else 1, np.blocks)
+                reqs = lay.inputs if not isinstance(lay, str) else [Replicate()] * len(refs)
+            for ref, req in zip(refs, reqs):
+                if self.graph.values[ref.name].kind in ("param", "buffer") and ref.name not in chosen:
+                    chosen[ref.name] = req or Replicate()
+        for v in self.graph.values.values():
+            if v.kind not in ("param", "buffer"):
+                continue
+            layout = chosen.get(v.name, Replicate())
+            self.layouts[v.name] = layout
+            self._meta(v.name, layout)
+            self.program.tensors.append(LocalTensor(v.name, v.target or v.name, v.aliases, v.meta.shape, v.meta.dtype,
+                                                    layout, v.kind == "param", v.persistent))
+
+    # ---- nodes ---------------------------------------------------------------------------------
+    def run(self) -> Program:
+        for name in self.graph.inputs:
+            self._meta(name, Replicate())
+        self.program.input_values = {self.graph.values[n].target: n for n in self.graph.inputs}
+        self._place_tensors()
+        for node in self.graph.nodes:
+            self._node(node)
+        out_refs = {}
+        for ref in (r for r in _iter(self.graph.outputs)):
+            out_refs[ref.name] = self._convert(ref.name, Replicate(), None, sync_grad=False)
+        self.program.outputs = map_refs(self.graph.outputs, lambda r: Ref(out_refs[r.name]))
+        self.program.layouts = dict(self.layouts)
+        return self.program
+
+    def _node(self, node: Node) -> None:
+        np = self.plan.node(node.name)
+        bound = annotate_node(node, self.graph)
+        rule = get_rule(node.op)
+        split = np.split is not None and np.ways > 1 and bound is not None
+        refs = _tensor_refs(node, self.graph)
+        if split:
+            lay = layouts_for(bound, rule, np.split, np.ways, np.blocks)
+            if isinstance(lay, str):
+                raise PartitionError(f"node {node.name} ({node.op}) cannot be split on {np.split!r}: {lay}")
+            reqs, outs = [r or Replicate() for r in lay.inputs], [o or Replicate() for o in lay.outputs]
+        else:
+            reqs, outs = [Replicate()] * len(refs), [Replicate()] * len(node.outputs)
+        bias_split = split and is_bias_split(bound, rule, np.split, np.ways)
+        local = {}
+        for i, (ref, req) in enumerate(zip(refs, reqs)):
+            if ref.name not in local:
+                # the bias of a row-parallel op is added after the reduction, by every rank alike: no f
+                sync = split and not (bias_split and i == rule.bias_input)
+                local[ref.name] = self._convert(ref.name, req, node, sync_grad=sync)
+        args = map_refs(node.args, lambda r: Ref(local.get(r.name, r.name)))
+        kwargs = map_refs(node.kwargs, lambda r: Ref(local.get(r.name, r.name)))
+        for out, layout in zip(node.outputs, outs):
+            self.layouts[out] = layout
+            self._meta(out, layout)
+        common = dict(node=node.name, source=node.source, module_path=node.module_path,
+                      module_class=node.module_class, note=np.note, no_grad=node.no_grad)
+        multi = dict(tuple_output=node.tuple_output)
+        if not split:
+            self._emit(Statement("op", node.op, tuple(args), kwargs, list(node.outputs), **common, **multi))
+            return
+        special = rule.specials.get(np.split) if rule else None
+        if special is not None:
+            self._special(node, special.emit, bound, np, args, kwargs, common)
+        elif bias_split:
+            self._bias_split(node, rule.bias_input, args, kwargs, common)
+        else:
+            args = self._localise_args(node, args)
+            mean = rule.mean_scale(_call(node, self.graph)) if callable(rule.mean_scale) else rule.mean_scale
+            if mean and bound.anno.flag_of(np.split) == "+":
+                tmp = self._fresh(f"{node.outputs[0]}_local")
+                self._emit(Statement("op", node.op, tuple(args), kwargs, [tmp], **common))
+                self.program.local_meta[tmp] = self.program.local_meta[node.outputs[0]]
+                common["note"] = "mean over a split dim: each device's share of the mean (partial sums)"
+                self._emit(Statement("scale", "div", (Ref(tmp), np.ways), {}, list(node.outputs), **common))
+            else:
+                self._emit(Statement("op", node.op, tuple(args), kwargs, list(node.outputs), **common, **multi))
+
+    def _localise_args(self, node: Node, args: tuple) -> tuple:
+        """Replace shape arguments by this rank's local shapes."""
+        out_meta = self.program.local_meta.get(node.outputs[0]) if node.outputs else None
+        if node.op in _SHAPE_ARG_OPS and out_meta is not None:
+            return (args[0], list(out_meta.shape), *args[2:])
+        if node.op == "aten.unflatten.int" and out_meta is not None:
+            dim, sizes = args[1], args[2]
+            dim %= len(self.graph.values[node.input_names()[0]].meta.shape)
+            return (args[0], dim, list(out_meta.shape[dim : dim + len(sizes)]))
+        if node.op == "aten.split.Tensor" and out_meta is not None:
+            dim = (args[2] if len(args) > 2 else 0) % len(out_meta.shape)
+            return (args[0], out_meta.shape[dim], *args[2:])
+        return args
+
+    def _special(self, node: Node, emit: str, bound, np, args, kwargs, common) -> None:
+        refs = [a for a in _iter((args, kwargs))]
+        if emit == "vocab_parallel_embedding":
+            vocab = bound.sizes["v"]
+            padding = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+            extra = {"padding_idx": padding} if padding is not None and padding >= 0 else {}
+            call_args = (refs[1], refs[0], RankScaled(vocab // np.ways))
+        else:
+            ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
+            reduction = _CE_REDUCTIONS[args[3] if len(args) > 3 else kwargs.get("reduction", 1)]
+            extra = {"ignore_index": ignore, "reduction": reduction}
+            if emit == "vocab_parallel_cross_entropy":
+                call_args = (refs[0], refs[1], RankScaled(bound.sizes["c"] // np.ways), GROUP)
+            else:
+                call_args = (refs[0], refs[1], GROUP)
+        self._emit(Statement("special", emit, call_args, extra, list(node.outputs), **common))
+
+    def _bias_split(self, node: Node, bias_input: int, args, kwargs, common) -> None:
+        refs = list(_iter((args, kwargs)))
+        bias = refs[bias_input]
+        out = node.outputs[0]
+        partial = self._fresh(f"{out}_partial")
+        if node.op == "aten.addmm.default":
+            self._emit(Statement("op", "aten.mm.default", (refs[1], refs[2]), {}, [partial], **common))
+        else:
+            self._emit(Statement("op", node.op, (refs[0], refs[1]), {}, [partial], **common))
+        self.layouts[partial] = Partial()
+        self.graph_meta_alias(partial, out, Replicate())
+        reduced = self._fresh(f"{out}_reduced")
+        self._emit(Statement("comm", "reduce_from_group", (Ref(partial), GROUP), {}, [reduced], **common))
+        self.graph_meta_alias(reduced, out, Replicate())
+        common = {**common, "note": "bias added once, after the reduction"}
+        self._emit(Statement("bias", "add", (Ref(reduced), bias), {}, [out], **common))
+
+
+def _iter(obj):
+    from nnscaler.graph.ir import iter_refs
+
+    return iter_refs(obj)
+
+
+def _tensor_refs(node: Node, graph: Graph) -> list[Ref]:
+    return [r for r in _iter((node.args, node.kwargs)) if graph.values[r.name].meta is not None]
+
+
+def _call(node: Node, graph: Graph):
+    from nnscaler.graph.ops import op_call
+
+    return op_call(node, graph)
+
+
+def apply_plan(graph: Graph, plan: Plan) -> Program:
+    """The SPMD program one plan replica runs; rank-specific constants stay symbolic (RankScaled)."""
+    return _Partitioner(graph, plan).run()

@@ -1,0 +1,78 @@
+"""The per-rank program partition produces: SPMD statements with rank-dependent constants left symbolic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nnscaler.graph.ir import Layout, TensorMeta
+
+__all__ = ["RankScaled", "Statement", "LocalTensor", "Program"]
+
+
+@dataclass(frozen=True)
+class RankScaled:
+    """A constant that depends on the rank: (index of the rank in its tensor-parallel group) * scale."""
+
+    scale: int
+
+
+@dataclass
+class Statement:
+    """One line of generated forward code.
+
+    kind: 'op' (an aten op on local tensors), 'comm' (a nnscaler.runtime.comm call), 'special' (a
+    runtime helper standing in for a split op), 'scale' (divide by a constant), 'bias' (add a bias).
+    """
+
+    kind: str
+    op: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: list[str]
+    node: str | None = None
+    source: str = ""
+    module_path: str = ""
+    module_class: str = ""
+    note: str = ""
+    no_grad: bool = False
+    tuple_output: bool = False
+
+
+@dataclass
+class LocalTensor:
+    """A parameter or buffer as this rank holds it."""
+
+    name: str
+    original_name: str
+    aliases: tuple[str, ...]
+    full_shape: tuple[int, ...]
+    dtype: str
+    layout: Layout
+    is_param: bool
+    persistent: bool = True
+
+
+@dataclass
+class Program:
+    """What every rank of one tensor-parallel group runs (identical but for RankScaled constants)."""
+
+    ways: int
+    tensors: list[LocalTensor] = field(default_factory=list)
+    statements: list[Statement] = field(default_factory=list)
+    forward_args: list[str] = field(default_factory=list)
+    input_values: dict[str, str] = field(default_factory=dict)
+    """forward argument name -> value name in the program."""
+    outputs: list[Any] = field(default_factory=list)
+    out_spec: str = ""
+    local_meta: dict[str, TensorMeta] = field(default_factory=dict)
+    layouts: dict[str, Layout] = field(default_factory=dict)
+    """Layout of every activation as produced (before conversions)."""
+
+    def comm_count(self) -> dict[str, int]:
+        """Number of each communication call in the forward (for tests and explanations)."""
+        counts: dict[str, int] = {}
+        for s in self.statements:
+            if s.kind == "comm":
+                counts[s.op] = counts.get(s.op, 0) + 1
+        return counts

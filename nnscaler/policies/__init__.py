@@ -1,0 +1,69 @@
+"""Policies: functions (graph, compute_config) -> Plan. Built-ins: dp, data, tp."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from nnscaler.config import ComputeConfig
+from nnscaler.errors import PlanError
+from nnscaler.graph.ir import Graph
+from nnscaler.graph.ops import annotate_node, get_rule, layouts_for
+from nnscaler.policies.builtin import pas_data, pas_dp, pas_tp
+from nnscaler.policies.plan import REPLICATE, NodePlan, Plan
+
+__all__ = ["NodePlan", "Plan", "REPLICATE", "BUILTIN_POLICIES", "resolve_policy", "make_plan", "validate_plan"]
+
+Policy = Callable[[Graph, ComputeConfig], Plan]
+
+BUILTIN_POLICIES: dict[str, Policy] = {"dp": pas_dp, "data": pas_data, "tp": pas_tp}
+
+
+def resolve_policy(policy: str | Policy) -> tuple[str, Policy]:
+    """A built-in name, a dotted path 'package.module.function', or a callable."""
+    if callable(policy):
+        return getattr(policy, "__name__", "custom"), policy
+    if policy in BUILTIN_POLICIES:
+        return policy, BUILTIN_POLICIES[policy]
+    if isinstance(policy, str) and "." in policy:
+        import importlib
+
+        module, _, name = policy.rpartition(".")
+        return policy, getattr(importlib.import_module(module), name)
+    raise PlanError(f"unknown pas_policy {policy!r}: use one of {sorted(BUILTIN_POLICIES)} or a callable")
+
+
+def validate_plan(graph: Graph, plan: Plan, cfg: ComputeConfig) -> None:
+    """Check every split against the annotation and the device count; raise PlanError naming the node."""
+    if plan.plan_ngpus != cfg.plan_ngpus:
+        raise PlanError(f"plan is for {plan.plan_ngpus} devices but ComputeConfig.plan_ngpus is {cfg.plan_ngpus}")
+    names = {n.name for n in graph.nodes}
+    unknown = sorted(set(plan.nodes) - names)
+    if unknown:
+        raise PlanError(f"plan names nodes the graph does not have: {unknown[:5]}")
+    for node in graph.nodes:
+        np = plan.node(node.name)
+        if np.split is None or np.ways == 1:
+            continue
+        if np.ways != cfg.plan_ngpus:
+            raise PlanError(
+                f"node {node.name} ({node.op}, {node.source}) is split {np.ways} ways; splits must use all "
+                f"{cfg.plan_ngpus} plan devices"
+            )
+        bound = annotate_node(node, graph)
+        if bound is None:
+            raise PlanError(f"node {node.name} ({node.op}, {node.source}) has no annotation and cannot be split")
+        result = layouts_for(bound, get_rule(node.op), np.split, np.ways, np.blocks)
+        if isinstance(result, str):
+            raise PlanError(
+                f"plan splits node {node.name} ({node.op}, annotation '{bound}') at {node.source or 'unknown source'} "
+                f"on {np.split!r} {np.ways} ways: {result}"
+            )
+
+
+def make_plan(graph: Graph, policy: str | Policy, cfg: ComputeConfig) -> Plan:
+    name, fn = resolve_policy(policy)
+    plan = fn(graph, cfg)
+    if not isinstance(plan, Plan):
+        raise PlanError(f"policy {name} returned {type(plan).__name__}, expected nnscaler.policies.Plan")
+    validate_plan(graph, plan, cfg)
+    return plan

@@ -1,0 +1,89 @@
+"""Broadcasts used by the checkpoint helpers: weights and optimizer state within data-parallel groups."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from nnscaler.runtime.comm import rank_in_group
+from nnscaler.runtime.device import is_initialized
+from nnscaler.runtime.module import ParallelModule
+from nnscaler.runtime.optimizer import parallel_modules
+
+__all__ = ["broadcast_weights", "broadcast_optimizer_state", "dp_first"]
+
+
+def _world() -> dist.ProcessGroup | None:
+    return dist.group.WORLD if is_initialized() and dist.get_world_size() > 1 else None
+
+
+def dp_first(pm: ParallelModule | None) -> bool:
+    """Whether this rank keeps the tensors of `pm` in a deduped checkpoint (outer tensors: `pm` None)."""
+    if pm is None:
+        return not is_initialized() or dist.get_rank() == 0
+    return rank_in_group(pm.group("dp")) == 0
+
+
+def _broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for same in by_kind.values():
+            flat = _flatten_dense_tensors([t.detach() for t in same])
+            dist.broadcast(flat, src=src, group=group)
+            for t, value in zip(same, _unflatten_dense_tensors(flat, same)):
+                t.copy_(value)
+
+
+def _outer_tensors(module: nn.Module) -> list[torch.Tensor]:
+    inner = {id(t) for _, pm in parallel_modules(module) for t in [*pm.parameters(), *pm.buffers()]}
+    return [t for t in [*module.parameters(), *module.buffers()] if id(t) not in inner]
+
+
+def broadcast_weights(module: nn.Module, src_rank: int = 0) -> None:
+    """Make data-parallel replicas equal: broadcast each ParallelModule's local tensors within its
+    "dp" group from the group's `src_rank`-th rank (0: the first); outer tensors from global `src_rank`."""
+    for _, pm in parallel_modules(module):
+        dp = pm.group("dp")
+        if dp is not None:
+            _broadcast_coalesced([*pm.parameters(), *pm.buffers()], dist.get_global_rank(dp, src_rank), dp)
+    world = _world()
+    outer = _outer_tensors(module)
+    if world is not None and outer:
+        _broadcast_coalesced(outer, src_rank, world)
+
+
+def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def _broadcast_states(
+    names: list[str], by_name: dict[str, Any], src: int, group: dist.ProcessGroup | None
+) -> None:
+    if group is None or not names:
+        return
+    payload: list[Any] = [None]
+    if dist.get_rank() == src:
+        payload[0] = {n: _to_cpu(by_name[n]) for n in names if n in by_name}
+    dist.broadcast_object_list(payload, src=src, group=group)
+    by_name.update(payload[0])
+
+
+def broadcast_optimizer_state(module: nn.Module, by_name: dict[str, Any]) -> dict[str, Any]:
+    """Fill optimizer states (parameter name -> state) from the first rank of each data-parallel group."""
+    by_name = dict(by_name)
+    for prefix, pm in parallel_modules(module):
+        dp = pm.group("dp")
+        names = [prefix + i.original_name for i in pm.fullmap.values() if i.is_param]
+        src = dist.get_global_rank(dp, 0) if dp is not None else 0
+        _broadcast_states(names, by_name, src, dp)
+    inner = {id(p) for _, pm in parallel_modules(module) for p in pm.parameters()}
+    outer = [n for n, p in module.named_parameters() if id(p) not in inner]
+    _broadcast_states(outer, by_name, 0, _world())
+    return by_name

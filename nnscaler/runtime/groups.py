@@ -1,0 +1,68 @@
+"""Communication groups: created once, in the same order on every rank, and cached by their ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch.distributed as dist
+
+from nnscaler.runtime.device import is_initialized
+
+__all__ = ["create_groups", "get_group", "clear_groups"]
+
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+_WORLD: list[object] = [None]  # the default group the cache belongs to
+
+
+def _check_world() -> None:
+    world = dist.group.WORLD if is_initialized() else None
+    if world is not _WORLD[0]:  # the default group was (re)created or destroyed: drop stale groups
+        _GROUPS.clear()
+        _WORLD[0] = world
+
+
+def _key(ranks: Iterable[int]) -> tuple[int, ...]:
+    # torch sorts the ranks of a new group: the rank inside a group is the order of global ranks
+    key = tuple(sorted(int(r) for r in ranks))
+    if len(set(key)) != len(key):
+        raise ValueError(f"group ranks must be distinct, got {list(ranks)}")
+    return key
+
+
+def create_groups(all_groups: Sequence[Sequence[int]]) -> None:
+    """Create every group in `all_groups` that does not exist yet.
+
+    Every rank must call this with the same list (`dist.new_group` is collective over the world).
+    Groups of one rank, and every group when torch.distributed is not initialised, are `None`.
+    """
+    _check_world()
+    for ranks in all_groups:
+        key = _key(ranks)
+        if key in _GROUPS:
+            continue
+        if len(key) <= 1 or not is_initialized():
+            _GROUPS[key] = None
+            continue
+        world = dist.get_world_size()
+        if key[-1] >= world or key[0] < 0:
+            raise ValueError(f"group {list(key)} has ranks outside the world of {world} processes")
+        _GROUPS[key] = dist.new_group(list(key))
+
+
+def get_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:
+    """The group over `ranks` (created earlier by `create_groups`); `None` for one rank or no dist."""
+    _check_world()
+    key = _key(ranks)
+    if key in _GROUPS:
+        return _GROUPS[key]
+    if len(key) <= 1 or not is_initialized():
+        return None
+    raise KeyError(
+        f"process group {list(key)} was not created: every rank must create it with create_groups "
+        "(in the same order) before use"
+    )
+
+
+def clear_groups() -> None:
+    """Forget cached groups (after the default process group is destroyed)."""
+    _GROUPS.clear()

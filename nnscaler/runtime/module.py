@@ -1,0 +1,398 @@
+"""ParallelModule: the base class of generated per-rank code.
+
+A generated subclass registers this rank's piece of every parameter and buffer with `add_shard`
+(local name, original state-dict name, full shape, which shard), then calls `load_shards`. Its
+`state_dict()` is keyed by the ORIGINAL names, holds this rank's local tensors, and carries the
+sharding metadata as extra state, so `merge_state_dicts` can rebuild the single-device state dict.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nnscaler.config import ComputeConfig
+from nnscaler.runtime.device import is_initialized, runtime_device
+from nnscaler.runtime.groups import create_groups, get_group
+from nnscaler.runtime.reducer import average_gradients, grad_sq_norm
+from nnscaler.runtime.shard import Shard, local_shape, normalize_shard, shard_slice
+
+__all__ = ["ParallelModule", "ShardInfo", "EXTRA_STATE_FORMAT", "EXTRA_STATE_KEY"]
+
+EXTRA_STATE_FORMAT = "nnscaler.ParallelModule/1"
+"""Marks the extra-state entry of a ParallelModule in a state dict."""
+EXTRA_STATE_KEY = "_extra_state"
+"""Key suffix torch uses for `get_extra_state()` in state dicts."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where a local tensor comes from: its original name, full shape and which shard this rank holds."""
+
+    local_name: str
+    original_name: str
+    full_shape: tuple[int, ...]
+    dtype: torch.dtype
+    shard: Shard | None
+    is_param: bool
+    persistent: bool
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return local_shape(self.full_shape, self.shard)
+
+    def to_meta(self) -> dict[str, Any]:
+        """Plain-data form stored in checkpoints (loads with `torch.load(weights_only=True)`)."""
+        return {
+            "local_name": self.local_name,
+            "full_shape": list(self.full_shape),
+            "shard": None if self.shard is None else list(self.shard),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "is_param": self.is_param,
+            "persistent": self.persistent,
+        }
+
+
+def _reset_synced(module: ParallelModule, args: Any) -> None:
+    module._grads_synced = False
+
+
+class ParallelModule(nn.Module):
+    """Base class of generated code: one rank's shards of a model, plus gradient sync and checkpoints."""
+
+    rank: int = 0
+    compute_config: ComputeConfig | None = None
+    """Set by the compiler on the generated class; may be None."""
+    init_state_dict: Mapping[str, torch.Tensor] | None = None
+    """Full (single-device) weights to take shards from in `load_shards(True)`, keyed by original name."""
+    init_weights_file: str | None = None
+    """Or: a `torch.save`d full state dict (path relative to the generated file); read with mmap."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        plan_ngpus: int,
+        groups: Mapping[str, Sequence[int]],
+        all_groups: Sequence[Sequence[int]],
+    ) -> None:
+        super().__init__()
+        if plan_ngpus < 1 or world_size % plan_ngpus != 0 or not 0 <= rank < world_size:
+            raise ValueError(f"bad layout: rank={rank}, world_size={world_size}, plan_ngpus={plan_ngpus}")
+        if is_initialized():
+            if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+                raise RuntimeError(
+                    f"{type(self).__name__} was generated for rank {rank} of {world_size} but this process "
+                    f"is rank {dist.get_rank()} of {dist.get_world_size()}"
+                )
+        elif world_size > 1:
+            warnings.warn(
+                f"{type(self).__name__}: world_size={world_size} but torch.distributed is not initialised "
+                "(call nnscaler.init()); all communication is skipped",
+                stacklevel=2,
+            )
+        self.rank = rank
+        self.world_size = world_size
+        self.plan_ngpus = plan_ngpus
+        self._group_ranks = {name: sorted(int(r) for r in ranks) for name, ranks in groups.items()}
+        self.fullmap: dict[str, ShardInfo] = {}
+        self.aliases: dict[str, str] = {}
+        self._local_of: dict[str, str] = {}
+        self._grads_synced = False
+        self._norm_owned: list[bool] | None = None
+        create_groups([*all_groups, *self._implied_groups()])
+        self.register_forward_pre_hook(_reset_synced)
+
+    # ---- groups -------------------------------------------------------------------------------------
+
+    def _plan_ranks(self) -> list[int]:
+        start = self.rank // self.plan_ngpus * self.plan_ngpus
+        return list(range(start, start + self.plan_ngpus))
+
+    def _dp_ranks(self) -> list[int]:
+        return list(range(self.rank % self.plan_ngpus, self.world_size, self.plan_ngpus))
+
+    def _implied_groups(self) -> list[list[int]]:
+        p, w = self.plan_ngpus, self.world_size
+        plans = [list(range(s, s + p)) for s in range(0, w, p)]
+        dps = [list(range(i, w, p)) for i in range(p)]
+        return plans + dps
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        """The process group named in the generated code ("dp" and "plan" always exist); None if trivial."""
+        if name in self._group_ranks:
+            return get_group(self._group_ranks[name])
+        if name == "dp":
+            return get_group(self._dp_ranks())
+        if name == "plan":
+            return get_group(self._plan_ranks())
+        raise KeyError(f"{type(self).__name__} has no group {name!r}; known: {sorted(self._group_ranks)}")
+
+    @property
+    def device(self) -> torch.device:
+        """Where this module's tensors live (generated code creates new tensors here)."""
+        for t in self.parameters():
+            return t.device
+        for t in self.buffers():
+            return t.device
+        from nnscaler.runtime.device import runtime_device
+
+        return runtime_device()
+
+    # ---- registration -------------------------------------------------------------------------------
+
+    def add_shard(
+        self,
+        local_name: str,
+        original_name: str,
+        full_shape: Sequence[int],
+        dtype: torch.dtype,
+        shard: Sequence[int] | None = None,
+        *,
+        is_param: bool = True,
+        persistent: bool = True,
+    ) -> None:
+        """Register this rank's piece of `original_name` (an empty tensor until `load_shards`)."""
+        if local_name in self.fullmap or original_name in self._local_of or original_name in self.aliases:
+            raise ValueError(f"add_shard: {local_name!r} / {original_name!r} registered twice")
+        if is_param and not persistent:
+            raise ValueError(f"add_shard: parameter {original_name!r} cannot be non-persistent")
+        full = tuple(int(s) for s in full_shape)
+        info = ShardInfo(
+            local_name, original_name, full, dtype, normalize_shard(shard, len(full)), is_param, persistent
+        )
+        empty = torch.empty(info.local_shape, dtype=dtype, device="meta")
+        if is_param:
+            self.register_parameter(local_name, nn.Parameter(empty, requires_grad=dtype.is_floating_point))
+        else:
+            self.register_buffer(local_name, empty, persistent=persistent)
+        self.fullmap[local_name] = info
+        self._local_of[original_name] = local_name
+        self._norm_owned = None
+
+    def add_alias(self, alias_name: str, original_name: str) -> None:
+        """Record a second state-dict name (a tied weight) for an already registered tensor."""
+        if original_name not in self._local_of:
+            raise KeyError(f"add_alias: {original_name!r} is not registered (call add_shard first)")
+        if alias_name in self._local_of or alias_name in self.aliases:
+            raise ValueError(f"add_alias: {alias_name!r} is already a registered name")
+        self.aliases[alias_name] = original_name
+
+    def _tensor(self, local_name: str) -> torch.Tensor:
+        return getattr(self, local_name)
+
+    def _init_source(self) -> Mapping[str, torch.Tensor] | None:
+        cls = type(self)
+        if cls.init_state_dict is not None:
+            return cls.init_state_dict
+        if cls.init_weights_file is None:
+            return None
+        path = cls.init_weights_file
+        module_file = getattr(sys.modules.get(cls.__module__), "__file__", None)
+        if not os.path.isabs(path) and module_file:
+            path = os.path.join(os.path.dirname(module_file), path)
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+    def load_shards(self, init_params: bool = True) -> None:
+        """Allocate local tensors on `runtime_device()`; fill them from the full weights if a source is set."""
+        device = runtime_device()
+        for name, info in self.fullmap.items():
+            data = torch.empty(info.local_shape, dtype=info.dtype, device=device)
+            if info.is_param:
+                self._parameters[name] = nn.Parameter(
+                    data, requires_grad=self._parameters[name].requires_grad
+                )
+            else:
+                self._buffers[name] = data
+        source = self._init_source() if init_params else None
+        if source is not None:
+            missing = [i.original_name for i in self.fullmap.values() if self._source_key(source, i) is None]
+            if missing:
+                raise KeyError(f"{type(self).__name__}: the initial weights lack {missing}")
+            self.load_merged_state_dict(source, strict=False)
+
+    # ---- full (merged) state dicts --------------------------------------------------------------------
+
+    def _names_of(self, info: ShardInfo) -> list[str]:
+        return [info.original_name] + [a for a, o in self.aliases.items() if o == info.original_name]
+
+    def _source_key(self, state_dict: Mapping[str, Any], info: ShardInfo, prefix: str = "") -> str | None:
+        return next((prefix + n for n in self._names_of(info) if prefix + n in state_dict), None)
+
+    def load_merged_state_dict(
+        self, state_dict: Mapping[str, torch.Tensor], strict: bool = True
+    ) -> tuple[list[str], list[str]]:
+        """Copy this rank's shard of every tensor from a full single-device state dict (original names).
+
+        Either name of a tied weight is accepted. Non-persistent buffers are loaded when present and
+        never reported missing. Returns `(missing_keys, unexpected_keys)`; `strict` raises on either.
+        """
+        missing: list[str] = []
+        with torch.no_grad():
+            for name, info in self.fullmap.items():
+                key = self._source_key(state_dict, info)
+                if key is None:
+                    if info.persistent:
+                        missing.append(info.original_name)
+                    continue
+                full = state_dict[key]
+                if tuple(full.shape) != info.full_shape:
+                    raise ValueError(f"{key}: full shape {tuple(full.shape)} != expected {info.full_shape}")
+                self._tensor(name).copy_(shard_slice(full, info.shard))
+        known = set(self._local_of) | set(self.aliases)
+        unexpected = [k for k in state_dict if k not in known]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"load_merged_state_dict into {type(self).__name__}: missing keys {missing}, "
+                f"unexpected keys {unexpected}"
+            )
+        return missing, unexpected
+
+    # ---- per-rank state dicts ---------------------------------------------------------------------------
+
+    @property
+    def dist_param_map(self) -> dict[str, str]:
+        """Local attribute name -> original state-dict name, for every registered tensor."""
+        return {name: info.original_name for name, info in self.fullmap.items()}
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {
+            "format": EXTRA_STATE_FORMAT,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "plan_ngpus": self.plan_ngpus,
+            "fullmap": {i.original_name: i.to_meta() for i in self.fullmap.values()},
+            "aliases": dict(self.aliases),
+        }
+
+    def set_extra_state(self, state: Any) -> None:
+        mine = self.get_extra_state()
+        if not isinstance(state, dict) or state.get("format") != EXTRA_STATE_FORMAT:
+            raise ValueError(f"{type(self).__name__}: the extra state is not a ParallelModule's")
+        fields = ("rank", "world_size", "plan_ngpus", "fullmap", "aliases")
+        if any(state.get(f) != mine[f] for f in fields):
+            raise ValueError(
+                f"{type(self).__name__}: this state dict was saved by rank {state.get('rank')} of a different "
+                "plan or rank; merge the ranks' state dicts with merge_state_dicts and load the result with "
+                "load_merged_state_dict"
+            )
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        for name, info in self.fullmap.items():
+            if info.persistent:
+                tensor = self._tensor(name)
+                destination[prefix + info.original_name] = tensor if keep_vars else tensor.detach()
+        destination[prefix + EXTRA_STATE_KEY] = self.get_extra_state()
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        extra_key = prefix + EXTRA_STATE_KEY
+        if extra_key in state_dict:
+            try:
+                self.set_extra_state(state_dict[extra_key])
+            except ValueError as err:
+                error_msgs.append(str(err))
+                return
+        elif strict:
+            missing_keys.append(extra_key)
+        with torch.no_grad():
+            for name, info in self.fullmap.items():
+                if not info.persistent:
+                    continue
+                key = self._source_key(state_dict, info, prefix)
+                if key is None:
+                    if strict:
+                        missing_keys.append(prefix + info.original_name)
+                    continue
+                value, tensor = state_dict[key], self._tensor(name)
+                if tuple(value.shape) != tuple(tensor.shape):
+                    error_msgs.append(
+                        f"size mismatch for {key}: copying a tensor of shape {tuple(value.shape)}, "
+                        f"the local shard has shape {tuple(tensor.shape)}"
+                    )
+                    continue
+                tensor.copy_(value)
+        if strict:
+            known = set(self._local_of) | set(self.aliases) | {EXTRA_STATE_KEY}
+            unexpected_keys.extend(
+                k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in known
+            )
+
+    # ---- training -------------------------------------------------------------------------------------
+
+    def parameters_for_optimizer(self) -> list[nn.Parameter]:
+        """The local parameters, in registration order (what `build_optimizer` hands the optimizer)."""
+        return list(self.parameters())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self._grads_synced = False
+
+    def sync_grad(self) -> None:
+        """Average gradients over the data-parallel group ("dp") in contiguous buckets."""
+        cap = self.compute_config.reducer_bucket_cap_mb if self.compute_config is not None else None
+        average_gradients(self.parameters_for_optimizer(), self.group("dp"), cap)
+        self._grads_synced = True
+
+    def _owned_params(self) -> list[bool]:
+        """For each parameter: does this rank count it in the gradient norm (lowest plan rank holding it)?"""
+        params = [(n, i) for n, i in self.fullmap.items() if i.is_param]
+        plan = self.group("plan")
+        if self._norm_owned is None or len(self._norm_owned) != len(params):
+            keys = [(i.original_name, i.shard) for _, i in params]
+            if plan is None:
+                self._norm_owned = [True] * len(keys)
+            else:
+                everyone: list[Any] = [None] * dist.get_world_size(plan)
+                dist.all_gather_object(everyone, keys, group=plan)
+                me = dist.get_rank(plan)
+                owner: dict[Any, int] = {}
+                for r, rank_keys in enumerate(everyone):
+                    for k in rank_keys:
+                        owner.setdefault(k, r)
+                self._norm_owned = [owner[k] == me for k in keys]
+        return self._norm_owned
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Squared 2-norm of the gradients of one plan copy (each piece counted once), synced first."""
+        if not self._grads_synced:
+            self.sync_grad()
+        params = [self._tensor(n) for n, i in self.fullmap.items() if i.is_param]
+        owned = [p for p, own in zip(params, self._owned_params()) if own]
+        total = grad_sq_norm(owned, device=runtime_device())
+        plan = self.group("plan")
+        if plan is not None:
+            dist.all_reduce(total, group=plan)
+        return total
+
+    def clip_gnorm(self, max_norm: float | None = None) -> float:
+        """Total gradient 2-norm (same on every rank); with `max_norm`, scale gradients like clip_grad_norm_."""
+        total = self.grad_sq_norm().sqrt()
+        if max_norm is not None:
+            scale_grads(self.parameters_for_optimizer(), max_norm, total)
+        return float(total)
+
+
+def scale_grads(params: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients by `min(1, max_norm / (total_norm + 1e-6))`, as `torch.nn.utils.clip_grad_norm_`."""
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))

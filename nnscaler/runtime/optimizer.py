@@ -1,0 +1,127 @@
+"""build_optimizer: an optimizer whose step first synchronizes gradients across data-parallel replicas."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nnscaler.runtime.device import is_initialized, runtime_device
+from nnscaler.runtime.module import ParallelModule, scale_grads
+from nnscaler.runtime.reducer import average_gradients, grad_sq_norm
+
+__all__ = [
+    "build_optimizer",
+    "parallel_modules",
+    "param_names",
+    "outer_parameters",
+    "sync_grads",
+    "clip_gnorm",
+    "optimizer_state_dict",
+]
+
+
+def parallel_modules(module: nn.Module) -> list[tuple[str, ParallelModule]]:
+    """`(state-dict prefix, module)` for `module` itself or each ParallelModule inside it."""
+    return [(f"{n}." if n else "", m) for n, m in module.named_modules() if isinstance(m, ParallelModule)]
+
+
+def param_names(module: nn.Module) -> dict[int, str]:
+    """`id(parameter)` -> its name in the merged (single-device) state dict."""
+    names: dict[int, str] = {}
+    for prefix, pm in parallel_modules(module):
+        for local, info in pm.fullmap.items():
+            if info.is_param:
+                names[id(getattr(pm, local))] = prefix + info.original_name
+    for name, p in module.named_parameters():
+        names.setdefault(id(p), name)
+    return names
+
+
+def outer_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters of `module` that live outside every ParallelModule (replicated on all ranks)."""
+    inner = {id(p) for _, pm in parallel_modules(module) for p in pm.parameters()}
+    return [p for p in module.parameters() if id(p) not in inner]
+
+
+def _world() -> dist.ProcessGroup | None:
+    return dist.group.WORLD if is_initialized() and dist.get_world_size() > 1 else None
+
+
+def sync_grads(module: nn.Module) -> None:
+    """Sync gradients of every ParallelModule not yet synced, and average outer gradients over the world."""
+    for _, pm in parallel_modules(module):
+        if not pm._grads_synced:
+            pm.sync_grad()
+    average_gradients(outer_parameters(module), _world())
+
+
+def clip_gnorm(module: nn.Module, max_norm: float | None = None) -> float:
+    """Total gradient 2-norm of `module` (ParallelModules and outer parameters); clip in place if asked."""
+    if isinstance(module, ParallelModule):
+        return module.clip_gnorm(max_norm)
+    pms = parallel_modules(module)
+    outer = outer_parameters(module)
+    average_gradients(outer, _world())
+    total = grad_sq_norm(outer, device=runtime_device())
+    for _, pm in pms:
+        total = total + pm.grad_sq_norm().to(total.device)
+    total = total.sqrt()
+    if max_norm is not None:
+        scale_grads(list(module.parameters()), max_norm, total)
+    return float(total)
+
+
+def _add_param_names(module: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    names = param_names(module)
+    for saved, group in zip(sd["param_groups"], opt.param_groups):
+        saved["param_names"] = [names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(group["params"])]
+    return sd
+
+
+def optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`optimizer.state_dict()` with each param group's `param_names` set to merged state-dict names."""
+    return _add_param_names(module, optimizer, optimizer.state_dict())
+
+
+def build_optimizer(
+    module: nn.Module, optimizer_fn: Callable[..., torch.optim.Optimizer], **kwargs: Any
+) -> torch.optim.Optimizer:
+    """`optimizer_fn(params, **kwargs)` over the module's parameters, syncing gradients before each step.
+
+    `module` is a ParallelModule or an nn.Module containing ParallelModules; parameters outside them
+    are averaged over all ranks. The optimizer's `state_dict()` names each parameter (param group
+    key `param_names`, merged state-dict names) so `merge_state_dicts` can rebuild the full state.
+    `optimizer.clip_gnorm(max_norm=None)` clips over the whole module.
+    """
+    if isinstance(module, ParallelModule):
+        params: list[nn.Parameter] = module.parameters_for_optimizer()
+    else:
+        params = list(module.parameters())
+    optimizer = optimizer_fn(params, **kwargs)
+    outer = outer_parameters(module)
+    synced = {"outer": False}
+
+    def pre_step(opt: torch.optim.Optimizer, args: Any, kw: Any) -> None:
+        for _, pm in parallel_modules(module):
+            if not pm._grads_synced:
+                pm.sync_grad()
+        if not synced["outer"]:
+            average_gradients(outer, _world())
+        synced["outer"] = False
+
+    def clip(max_norm: float | None = None) -> float:
+        norm = clip_gnorm(module, max_norm)
+        synced["outer"] = True
+        return norm
+
+    def add_names(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+        return _add_param_names(module, opt, sd)
+
+    optimizer.register_step_pre_hook(pre_step)
+    optimizer.register_state_dict_post_hook(add_names)
+    optimizer.clip_gnorm = clip  # type: ignore[attr-defined]
+    return optimizer

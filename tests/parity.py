@@ -1,0 +1,293 @@
+"""The parity harness (DESIGN.md §4): train a zoo model in parallel and alone, and compare.
+
+    run_parity("gpt", "tp", plan_ngpus=2, runtime_ngpus=4, tmp_path=tmp_path)
+
+`runtime_ngpus` processes each build the model from the same seed, `nnscaler.parallelize` it
+with `ComputeConfig(plan_ngpus, runtime_ngpus)`, and train `steps` AdamW steps. Data-parallel
+replica k (ranks k*plan_ngpus .. (k+1)*plan_ngpus-1) gets batch `make_batch(step*100 + k)` at each
+step. Every rank records its loss per step; the ranks' state dicts are gathered and merged with
+`nnscaler.merge_state_dicts` on rank 0.
+
+The parent then trains the single-device model on the concatenation of all replicas' batches
+(batch dim 0) with the same optimizer, and checks:
+- every rank of one replica reports the same loss;
+- at each step the mean of the replicas' losses equals the reference loss (gradients are averaged
+  across replicas, so this is the same optimisation problem);
+- every merged parameter (by its original name) equals the reference parameter.
+
+Only nnscaler's public API is used here: it is the contract between the harness and the compiler.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests import zoo
+from tests.dist_util import DEFAULT_TIMEOUT, spawn
+
+__all__ = ["run_parity", "train_parallel", "train_reference", "compare"]
+
+SEED = 0
+"""Seed of the model weights, in every process."""
+DUMMY_SEED = 12345
+"""Seed of the dummy batch given to parallelize for tracing."""
+OPTIMIZERS: dict[str, tuple[str, dict[str, Any], float]] = {
+    # AdamW divides each gradient by its running magnitude, so where the true gradient is ~0 (an
+    # attention key bias: softmax ignores a per-row shift) float round-off becomes an update of up
+    # to lr. Different but correct reduction orders then differ by ~3e-6 after 3 steps with the
+    # default eps=1e-8 (measured with a DDP-like stand-in), ~4e-7 with eps=1e-6: hence eps=1e-6
+    # and atol=1e-5 (1% of one step).
+    "adamw": ("AdamW", {"lr": 1e-3, "eps": 1e-6}, 1e-5),
+    # AdamW is also blind to the gradient's scale (a sum instead of a mean across replicas gives the
+    # same update); SGD is not, so a few SGD runs guard the scale. Its updates are linear in the
+    # gradient, so round-off stays round-off (measured ~1e-7).
+    "sgd": ("SGD", {"lr": 0.1}, 1e-6),
+}
+"""Optimizers a parity run may use: name -> (torch.optim class name, keyword arguments, default atol
+for parameters)."""
+
+
+def _make_optimizer(name: str, overrides: dict[str, Any]) -> tuple[type, dict[str, Any]]:
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown parity optimizer {name!r}; known: {sorted(OPTIMIZERS)}")
+    cls_name, kwargs, _ = OPTIMIZERS[name]
+    return getattr(torch.optim, cls_name), {**kwargs, **overrides}
+
+
+def _batch_seed(step: int, replica: int) -> int:
+    return step * 100 + replica
+
+
+def _cat_batches(batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """Concatenate forward kwargs along batch dim 0 (non-tensor values must agree)."""
+    out: dict[str, Any] = {}
+    for key in batches[0]:
+        values = [b[key] for b in batches]
+        if isinstance(values[0], torch.Tensor):
+            out[key] = torch.cat(values, dim=0)
+        else:
+            if any(v != values[0] for v in values):
+                raise ValueError(f"batches disagree on non-tensor argument {key!r}: {values}")
+            out[key] = values[0]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the parallel side (runs in every spawned rank)
+# ---------------------------------------------------------------------------------------------
+def train_parallel(
+    rank: int,
+    world_size: int,
+    model_name: str,
+    policy: Any,
+    plan_ngpus: int,
+    steps: int,
+    batch_size: int,
+    gen_savedir: str,
+    optimizer: str = "adamw",
+    optimizer_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One rank's share of a parity run; returns its losses and (rank 0) the merged state dict."""
+    import nnscaler
+    from nnscaler import ComputeConfig, build_optimizer, merge_state_dicts, parallelize
+
+    # The process group is already up (FileStore, see dist_util); init() must accept that.
+    nnscaler.init()
+
+    model, make_batch = zoo.build(model_name, seed=SEED)
+    dummy = make_batch(DUMMY_SEED, batch_size)
+    pm = parallelize(
+        model, dummy, policy, ComputeConfig(plan_ngpus, world_size), gen_savedir=gen_savedir
+    )
+    opt_cls, opt_kwargs = _make_optimizer(optimizer, optimizer_kwargs or {})
+    opt = build_optimizer(pm, opt_cls, **opt_kwargs)
+
+    device = _module_device(pm)
+    replica = rank // plan_ngpus
+    losses = []
+    for step in range(steps):
+        batch = _to(make_batch(_batch_seed(step, replica), batch_size), device)
+        loss = zoo.extract_loss(pm(**batch))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().float().item())
+
+    state = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in pm.state_dict().items()}
+    states: list[Any] = [None] * world_size
+    dist.all_gather_object(states, state)
+    merged = None
+    if rank == 0:
+        merged, _ = merge_state_dicts(states)
+        merged = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in merged.items()}
+    return {"rank": rank, "replica": replica, "losses": losses, "merged": merged}
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference side (runs in the test process)
+# ---------------------------------------------------------------------------------------------
+def train_reference(
+    model_name: str,
+    num_replicas: int,
+    steps: int,
+    batch_size: int,
+    optimizer: str = "adamw",
+    optimizer_kwargs: dict[str, Any] | None = None,
+) -> tuple[list[float], torch.nn.Module]:
+    """Train the single-device model on all replicas' batches at once; return losses and model."""
+    model, make_batch = zoo.build(model_name, seed=SEED)
+    opt_cls, opt_kwargs = _make_optimizer(optimizer, optimizer_kwargs or {})
+    opt = opt_cls(model.parameters(), **opt_kwargs)
+    losses = []
+    for step in range(steps):
+        batch = _cat_batches([make_batch(_batch_seed(step, k), batch_size) for k in range(num_replicas)])
+        loss = zoo.extract_loss(model(**batch))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().item())
+    return losses, model
+
+
+def compare(
+    results: list[dict[str, Any]],
+    ref_losses: list[float],
+    ref_model: torch.nn.Module,
+    *,
+    rtol: float,
+    atol: float,
+    label: str = "",
+) -> None:
+    """Assert the parallel run matches the reference; messages name the step, rank or parameter."""
+    steps = len(ref_losses)
+    by_replica: dict[int, list[dict[str, Any]]] = {}
+    for r in results:
+        by_replica.setdefault(r["replica"], []).append(r)
+
+    # 1. every rank of a replica saw the same loss
+    for replica, rs in sorted(by_replica.items()):
+        first = rs[0]
+        for other in rs[1:]:
+            torch.testing.assert_close(
+                torch.tensor(other["losses"], dtype=torch.float64),
+                torch.tensor(first["losses"], dtype=torch.float64),
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m, a=first, b=other, k=replica: (
+                    f"{label}: ranks {a['rank']} and {b['rank']} of replica {k} report different losses "
+                    f"{a['losses']} vs {b['losses']}\n{m}"
+                ),
+            )
+
+    # 2. mean of the replicas' losses == reference loss, step by step
+    par = [sum(rs[0]["losses"][s] for rs in by_replica.values()) / len(by_replica) for s in range(steps)]
+    for s in range(steps):
+        torch.testing.assert_close(
+            torch.tensor(par[s], dtype=torch.float64),
+            torch.tensor(ref_losses[s], dtype=torch.float64),
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m, s=s: (
+                f"{label}: loss differs at step {s}: parallel (mean over replicas) {par[s]!r} vs "
+                f"single-device {ref_losses[s]!r}\nall steps: parallel {par}, single-device {ref_losses}\n{m}"
+            ),
+        )
+
+    # 3. merged parameters == reference parameters, by original name
+    merged = next(r["merged"] for r in results if r["rank"] == 0)
+    assert isinstance(merged, dict), f"{label}: merge_state_dicts returned {type(merged).__name__}, not a dict"
+    ref_state = ref_model.state_dict()
+    expected = dict(ref_model.named_parameters())
+    missing = [name for name in expected if name not in merged]
+    assert not missing, (
+        f"{label}: merged state dict lacks parameters {missing}; it has {sorted(k for k in merged)}"
+    )
+    # tied aliases (e.g. lm_head.weight) and buffers are checked too when the merge provides them
+    names = list(expected) + [n for n in ref_state if n not in expected and isinstance(merged.get(n), torch.Tensor)]
+    mismatched = []
+    for name in names:
+        got, want = merged[name], ref_state[name]
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            mismatched.append(f"{name}: got {_describe(got)}, expected a tensor of shape {tuple(want.shape)}")
+            continue
+        try:
+            torch.testing.assert_close(got.to(want.dtype), want.detach(), rtol=rtol, atol=atol)
+        except AssertionError as e:
+            mismatched.append(f"{name}: {e}")
+    assert not mismatched, (
+        f"{label}: {len(mismatched)} of {len(names)} parameters differ from the single-device model "
+        f"after {steps} steps:\n" + "\n".join(mismatched)
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+# ---------------------------------------------------------------------------------------------
+def run_parity(
+    model_name: str,
+    policy: Any,
+    plan_ngpus: int,
+    runtime_ngpus: int,
+    steps: int = 3,
+    *,
+    tmp_path: str | os.PathLike,
+    rtol: float = 1e-5,
+    atol: float = 1e-5,  # Adam turns ~1e-10 gradient noise on zero-gradient params (key biases) into ~1e-6
+    batch_size: int = 4,
+    optimizer: str = "adamw",
+    optimizer_kwargs: dict[str, Any] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> list[dict[str, Any]]:
+    """Train `model_name` under `policy` with ComputeConfig(plan_ngpus, runtime_ngpus) for `steps`
+    optimizer steps and assert it matches single-device training. Returns the per-rank results.
+
+    `optimizer` names an entry of OPTIMIZERS; `atol` defaults to that entry's (1e-5 for AdamW,
+    1e-6 for SGD); `rtol` 1e-5. Losses and parameters are compared with the same tolerances.
+    """
+    if atol is None:
+        atol = OPTIMIZERS[optimizer][2]
+    if runtime_ngpus % plan_ngpus != 0:
+        raise ValueError(f"runtime_ngpus ({runtime_ngpus}) must be a multiple of plan_ngpus ({plan_ngpus})")
+    gen_savedir = str(Path(tmp_path) / "gen")
+    results = spawn(
+        train_parallel,
+        runtime_ngpus,
+        tmp_path,
+        model_name,
+        policy,
+        plan_ngpus,
+        steps,
+        batch_size,
+        gen_savedir,
+        optimizer,
+        optimizer_kwargs,
+        timeout=timeout,
+    )
+    ref_losses, ref_model = train_reference(
+        model_name, runtime_ngpus // plan_ngpus, steps, batch_size, optimizer, optimizer_kwargs
+    )
+    policy_name = policy if isinstance(policy, str) else getattr(policy, "__name__", repr(policy))
+    label = f"{model_name} / {policy_name} / ComputeConfig({plan_ngpus}, {runtime_ngpus})"
+    compare(results, ref_losses, ref_model, rtol=rtol, atol=atol, label=label)
+    return results

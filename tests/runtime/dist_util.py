@@ -1,0 +1,105 @@
+"""Run a test function on N real gloo ranks (spawned processes, FileStore rendezvous, with a timeout).
+
+`run_dist(fn, world_size, *args)` calls `fn(rank, world_size, *args)` in every child after the
+default process group is up, and returns the children's return values by rank. A child that raises
+fails the calling test with the child's traceback; a run that does not finish in time is killed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+__all__ = ["run_dist"]
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load(path: str, qualname: str) -> Callable[..., Any]:
+    if _HERE not in sys.path:
+        sys.path.insert(0, _HERE)
+    spec = importlib.util.spec_from_file_location(f"_dist_target_{abs(hash(path))}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _child(rank: int, world_size: int, tmp: str, path: str, qualname: str, args: tuple, init: bool) -> None:
+    out = os.path.join(tmp, f"result{rank}.pt")
+    try:
+        torch.set_num_threads(1)
+        if init:
+            dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world_size)
+        result = _load(path, qualname)(rank, world_size, *args)
+        torch.save({"ok": True, "value": result}, out)
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, out)
+        raise
+    finally:
+        if init and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_dist(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0, init: bool = True
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results by rank.
+
+    `fn` must be a module-level function (it is loaded in the children from its file). With
+    `init=False` the children start without a process group (to test code that creates one).
+    """
+    if _HERE not in sys.path:
+        sys.path.insert(0, _HERE)
+    import dist_util  # the children import this module by its plain name
+
+    path = os.path.abspath(sys.modules[fn.__module__].__file__ or "")
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(
+            dist_util._child,
+            args=(world_size, tmp, path, fn.__qualname__, args, init),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        failure = ""
+        try:
+            while not ctx.join(timeout=0.1):
+                if time.monotonic() > deadline:
+                    failure = f"did not finish in {timeout}s"
+                    break
+        except ProcessException as err:
+            failure = f"a rank failed: {type(err).__name__}"
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        results, errors = [], []
+        for rank in range(world_size):
+            file = os.path.join(tmp, f"result{rank}.pt")
+            res = torch.load(file, weights_only=False) if os.path.exists(file) else None
+            if res is None:
+                errors.append(f"rank {rank}: no result")
+            elif not res["ok"]:
+                errors.append(f"rank {rank}:\n{res['error']}")
+            else:
+                results.append(res["value"])
+        if failure or errors:
+            raise AssertionError(f"{fn.__qualname__} on {world_size} ranks {failure}\n" + "\n".join(errors))
+        return results

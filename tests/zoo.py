@@ -1,0 +1,206 @@
+"""The model zoo for tests: tiny models built from a seed, and batches built from a seed.
+
+Every builder returns `(model, make_batch)`: `model` is an fp32 `nn.Module` in train mode whose
+forward returns a scalar loss (a tensor, or an object with `.loss` for transformers models), and
+`make_batch(seed, batch_size)` returns a dict of forward keyword arguments. The same seed gives
+the same model and the same batch in every process. No weights are downloaded.
+
+    model, make_batch = build("gpt", seed=0)
+    loss = model(**make_batch(seed=1, batch_size=2))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["MODELS", "PARITY_MODELS", "build", "extract_loss"]
+
+Batch = dict[str, Any]
+MakeBatch = Callable[[int, int], Batch]
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _token_batch(vocab: int, seq_len: int, input_key: str, label_key: str, shift: bool) -> MakeBatch:
+    """Random token ids; labels are a separate tensor (torch.export would merge identical inputs)."""
+
+    def make_batch(seed: int, batch_size: int) -> Batch:
+        tokens = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=_generator(seed))
+        if shift:  # nanoGPT takes already-shifted targets
+            inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+        else:  # transformers shift the labels inside the model
+            inputs, labels = tokens[:, :-1].clone(), tokens[:, :-1].clone()
+        return {input_key: inputs, label_key: labels}
+
+    return make_batch
+
+
+# ---------------------------------------------------------------------------------------------
+# mlp
+# ---------------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    """Three linear layers with biases; forward(x, y) returns the mean squared error."""
+
+    def __init__(self, d_in: int = 16, d_hidden: int = 32, d_out: int = 8):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_hidden)
+        self.fc3 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x))
+        h = F.gelu(self.fc2(h))
+        return F.mse_loss(self.fc3(h), y)
+
+
+def build_mlp(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
+    torch.manual_seed(seed)
+    model = MLP()
+
+    def make_batch(seed: int, batch_size: int) -> Batch:
+        g = _generator(seed)
+        return {"x": torch.randn(batch_size, 16, generator=g), "y": torch.randn(batch_size, 8, generator=g)}
+
+    return model.train(), make_batch
+
+
+# ---------------------------------------------------------------------------------------------
+# gpt (nanoGPT-style, in the repo)
+# ---------------------------------------------------------------------------------------------
+def build_gpt(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
+    from examples.nanogpt.model import GPT, GPTConfig
+
+    config = GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=4, n_embd=64, dropout=0.0, bias=True)
+    torch.manual_seed(seed)
+    model = GPT(config)
+    return model.train(), _token_batch(config.vocab_size, 16, "idx", "targets", shift=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers models (tiny configs, random init)
+# ---------------------------------------------------------------------------------------------
+def _settle(config: Any) -> None:
+    """Fix choices transformers would otherwise make from the environment (and warn about)."""
+    config._attn_implementation = "sdpa"
+    config.loss_type = "ForCausalLM"
+
+
+def _settle_model(model: nn.Module) -> nn.Module:
+    # transformers guesses the loss from the class name; GPT2LMHeadModel's name does not match
+    model.loss_type = "ForCausalLM"
+    return model.float().train()
+
+
+def build_llama(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
+    _settle(config)
+    torch.manual_seed(seed)
+    model = _settle_model(LlamaForCausalLM(config))
+    return model, _token_batch(config.vocab_size, 16, "input_ids", "labels", shift=False)
+
+
+def build_gpt2(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=128,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        summary_first_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    _settle(config)
+    torch.manual_seed(seed)
+    model = _settle_model(GPT2LMHeadModel(config))
+    return model, _token_batch(config.vocab_size, 16, "input_ids", "labels", shift=False)
+
+
+def build_llama3_8b_meta(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
+    """Llama-3-8B's shapes on the meta device: no memory is allocated, for tracing and planning."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        use_cache=False,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    )
+    _settle(config)
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = _settle_model(LlamaForCausalLM(config))
+    return model, _token_batch(config.vocab_size, 1024, "input_ids", "labels", shift=False)
+
+
+MODELS: dict[str, Callable[[int], tuple[nn.Module, MakeBatch]]] = {
+    "mlp": build_mlp,
+    "gpt": build_gpt,
+    "llama": build_llama,
+    "gpt2": build_gpt2,
+    "meta": build_llama3_8b_meta,
+}
+"""Builders by name; each takes a seed and returns (model, make_batch)."""
+
+PARITY_MODELS = ("mlp", "gpt", "llama", "gpt2")
+"""The models small enough to train side by side with their parallel version."""
+
+
+def build(name: str, seed: int = 0) -> tuple[nn.Module, MakeBatch]:
+    """Build zoo model `name` from `seed`; returns (model, make_batch)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown zoo model {name!r}; known: {sorted(MODELS)}")
+    return MODELS[name](seed)
+
+
+def extract_loss(output: Any) -> torch.Tensor:
+    """The scalar loss of a forward output: the tensor itself, `output.loss`, or `output["loss"]`."""
+    if isinstance(output, torch.Tensor):
+        loss = output
+    elif hasattr(output, "loss") and output.loss is not None:
+        loss = output.loss
+    elif isinstance(output, dict) and "loss" in output:
+        loss = output["loss"]
+    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        loss = output[0]
+    else:
+        raise TypeError(f"cannot find a loss in a forward output of type {type(output).__name__}")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(f"the loss must be a scalar tensor, got {loss!r}")
+    return loss
