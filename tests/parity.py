@@ -3,7 +3,8 @@
     run_parity("gpt", "tp", plan_ngpus=2, runtime_ngpus=4, tmp_path=tmp_path)
 
 `runtime_ngpus` processes each build the model from the same seed, `nnscaler.parallelize` it
-with `ComputeConfig(plan_ngpus, runtime_ngpus)`, and train `steps` AdamW steps. Data-parallel
+with `ComputeConfig(plan_ngpus, runtime_ngpus)`, and train `steps` optimizer steps (AdamW by
+default; SGD where the gradient's scale must be checked, see OPTIMIZERS). Data-parallel
 replica k (ranks k*plan_ngpus .. (k+1)*plan_ngpus-1) gets batch `make_batch(step*100 + k)` at each
 step. Every rank records its loss per step; the ranks' state dicts are gathered and merged with
 `nnscaler.merge_state_dicts` on rank 0.

@@ -14,9 +14,19 @@ PLANS = [
     ("tp", 2, 2),  # tensor parallel
     ("tp", 2, 4),  # tensor parallel x 2 data-parallel replicas
 ]
+PLAN_IDS = [f"{p}-{a}-{b}" for p, a, b in PLANS]
 
 
-@pytest.mark.parametrize("policy,plan_ngpus,runtime_ngpus", PLANS, ids=[f"{p}-{a}-{b}" for p, a, b in PLANS])
+@pytest.mark.parametrize("policy,plan_ngpus,runtime_ngpus", PLANS, ids=PLAN_IDS)
 @pytest.mark.parametrize("model_name", PARITY_MODELS)
 def test_parity(model_name: str, policy: str, plan_ngpus: int, runtime_ngpus: int, tmp_path) -> None:
     run_parity(model_name, policy, plan_ngpus, runtime_ngpus, steps=3, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("policy,plan_ngpus,runtime_ngpus", PLANS, ids=PLAN_IDS)
+@pytest.mark.parametrize("model_name", ["mlp", "gpt"])
+def test_parity_gradient_scale(
+    model_name: str, policy: str, plan_ngpus: int, runtime_ngpus: int, tmp_path
+) -> None:
+    """With SGD, a gradient summed where it should be averaged (or counted twice) changes the weights."""
+    run_parity(model_name, policy, plan_ngpus, runtime_ngpus, steps=3, optimizer="sgd", tmp_path=tmp_path)

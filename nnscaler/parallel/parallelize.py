@@ -140,7 +140,11 @@ def parallelize(
     pm = gen_class(init_params=False)
     pm.compute_config = compute_config
     if init_module_params and not any(p.is_meta for p in module_or_module_class.parameters()):
-        pm.load_merged_state_dict(module_or_module_class.state_dict(), strict=True)
+        module = module_or_module_class
+        full = dict(module.state_dict())
+        # non-persistent buffers (e.g. rotary inv_freq) are not in state_dict but the module needs them
+        full.update({name: b for name, b in module.named_buffers(remove_duplicate=False) if name not in full})
+        pm.load_merged_state_dict(full, strict=False)
     return pm
 
 

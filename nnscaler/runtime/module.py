@@ -22,7 +22,7 @@ from torch import nn
 from nnscaler.config import ComputeConfig
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.groups import create_groups, get_group
-from nnscaler.runtime.reducer import average_gradients, grad_sq_norm
+from nnscaler.runtime.reducer import average_gradients, first_holders, grad_sq_norm, scale_grads
 from nnscaler.runtime.shard import Shard, local_shape, normalize_shard, shard_slice
 
 __all__ = ["ParallelModule", "ShardInfo", "EXTRA_STATE_FORMAT", "EXTRA_STATE_KEY"]
@@ -352,22 +352,10 @@ class ParallelModule(nn.Module):
         self._grads_synced = True
 
     def _owned_params(self) -> list[bool]:
-        """For each parameter: does this rank count it in the gradient norm (lowest plan rank holding it)?"""
-        params = [(n, i) for n, i in self.fullmap.items() if i.is_param]
-        plan = self.group("plan")
-        if self._norm_owned is None or len(self._norm_owned) != len(params):
-            keys = [(i.original_name, i.shard) for _, i in params]
-            if plan is None:
-                self._norm_owned = [True] * len(keys)
-            else:
-                everyone: list[Any] = [None] * dist.get_world_size(plan)
-                dist.all_gather_object(everyone, keys, group=plan)
-                me = dist.get_rank(plan)
-                owner: dict[Any, int] = {}
-                for r, rank_keys in enumerate(everyone):
-                    for k in rank_keys:
-                        owner.setdefault(k, r)
-                self._norm_owned = [owner[k] == me for k in keys]
+        """For each parameter: does this rank count it in the gradient norm?"""
+        keys = [(i.original_name, i.shard) for i in self.fullmap.values() if i.is_param]
+        if self._norm_owned is None or len(self._norm_owned) != len(keys):
+            self._norm_owned = first_holders(keys, self.group("plan"))
         return self._norm_owned
 
     def grad_sq_norm(self) -> torch.Tensor:
@@ -375,7 +363,7 @@ class ParallelModule(nn.Module):
         if not self._grads_synced:
             self.sync_grad()
         params = [self._tensor(n) for n, i in self.fullmap.items() if i.is_param]
-        owned = [p for p, own in zip(params, self._owned_params()) if own]
+        owned = params
         total = grad_sq_norm(owned, device=runtime_device())
         plan = self.group("plan")
         if plan is not None:
@@ -388,11 +376,3 @@ class ParallelModule(nn.Module):
         if max_norm is not None:
             scale_grads(self.parameters_for_optimizer(), max_norm, total)
         return float(total)
-
-
-def scale_grads(params: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale gradients by `min(1, max_norm / (total_norm + 1e-6))`, as `torch.nn.utils.clip_grad_norm_`."""
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))

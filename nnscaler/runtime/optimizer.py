@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from nnscaler.runtime.device import is_initialized, runtime_device
-from nnscaler.runtime.module import ParallelModule, scale_grads
-from nnscaler.runtime.reducer import average_gradients, grad_sq_norm
+from nnscaler.runtime.module import ParallelModule
+from nnscaler.runtime.reducer import average_gradients, grad_sq_norm, scale_grads
 
 __all__ = [
     "build_optimizer",

@@ -1,14 +1,22 @@
-"""Gradient reduction across data-parallel replicas: contiguous buckets, one all-reduce each."""
+"""Gradients across ranks: data-parallel averaging in contiguous buckets, norms and clipping."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "make_buckets", "average_gradients", "grad_sq_norm"]
+__all__ = [
+    "DEFAULT_BUCKET_CAP_MB",
+    "make_buckets",
+    "average_gradients",
+    "grad_sq_norm",
+    "first_holders",
+    "scale_grads",
+]
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 """Bucket size when `ComputeConfig.reducer_bucket_cap_mb` is None (torch DDP's default)."""
@@ -71,3 +79,29 @@ def grad_sq_norm(params: Sequence[torch.Tensor], device: torch.device | None = N
         if p.grad is not None:
             total = total + p.grad.detach().float().pow(2).sum().to(total.device)
     return total
+
+
+def first_holders(keys: Sequence[Hashable], group: dist.ProcessGroup | None) -> list[bool]:
+    """For each of this rank's `keys`: is this rank the lowest in `group` holding the same key?
+
+    Keys name tensor pieces (e.g. original name and shard); used so that a piece replicated on
+    several ranks is counted once in a norm. Collective over `group` (all-gather of the keys).
+    """
+    if group is None:
+        return [True] * len(keys)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, list(keys), group=group)
+    owner: dict[Hashable, int] = {}
+    for r, rank_keys in enumerate(everyone):
+        for k in rank_keys:
+            owner.setdefault(k, r)
+    me = dist.get_rank(group)
+    return [owner[k] == me for k in keys]
+
+
+def scale_grads(params: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients by `min(1, max_norm / (total_norm + 1e-6))`, as `torch.nn.utils.clip_grad_norm_`."""
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))

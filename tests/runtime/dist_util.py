@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -39,20 +40,25 @@ def _load(path: str, qualname: str) -> Callable[..., Any]:
     return obj
 
 
-def _child(rank: int, world_size: int, tmp: str, path: str, qualname: str, args: tuple, init: bool) -> None:
+def _child(rank: int, world_size: int, tmp: str, path: str, qualname: str, args: tuple, port: int) -> None:
     out = os.path.join(tmp, f"result{rank}.pt")
     try:
         torch.set_num_threads(1)
-        if init:
-            dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world_size)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        if port:  # the function starts the process group itself (env:// rendezvous)
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        else:
+            dist.init_process_group(
+                "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world_size
+            )
         result = _load(path, qualname)(rank, world_size, *args)
+        if dist.is_initialized():
+            dist.barrier()  # nobody leaves while a peer may still be talking to it
         torch.save({"ok": True, "value": result}, out)
     except BaseException:
         torch.save({"ok": False, "error": traceback.format_exc()}, out)
         raise
-    finally:
-        if init and dist.is_initialized():
-            dist.destroy_process_group()
+    os._exit(0)  # skip the slow interpreter teardown; the result is on disk
 
 
 def run_dist(
@@ -60,18 +66,24 @@ def run_dist(
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results by rank.
 
-    `fn` must be a module-level function (it is loaded in the children from its file). With
-    `init=False` the children start without a process group (to test code that creates one).
+    `fn` must be a module-level function (it is loaded in the children from its file). Children see
+    RANK / WORLD_SIZE / LOCAL_RANK as under torchrun. With `init=False` they start without a process
+    group but with MASTER_ADDR / MASTER_PORT (a free port) set, so `nnscaler.runtime.init()` can start one.
     """
     if _HERE not in sys.path:
         sys.path.insert(0, _HERE)
     import dist_util  # the children import this module by its plain name
 
     path = os.path.abspath(sys.modules[fn.__module__].__file__ or "")
+    port = 0
+    if not init:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(
             dist_util._child,
-            args=(world_size, tmp, path, fn.__qualname__, args, init),
+            args=(world_size, tmp, path, fn.__qualname__, args, port),
             nprocs=world_size,
             join=False,
             start_method="spawn",

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nnscaler import runtime
 from nnscaler.runtime import comm, shard_slice
 from nnscaler.runtime.groups import create_groups, get_group
 
@@ -106,7 +107,10 @@ def check_vocab_parallel(group: dist.ProcessGroup, n: int, r: int) -> None:
                 what = f"vocab CE {shape} {reduction} eps={eps}"
                 lr = _leaf(logits)
                 ref = F.cross_entropy(
-                    lr.reshape(-1, vocab), target.reshape(-1), ignore_index=ignore, reduction=reduction,
+                    lr.reshape(-1, vocab),
+                    target.reshape(-1),
+                    ignore_index=ignore,
+                    reduction=reduction,
                     label_smoothing=eps,
                 )
                 ref = ref.view(shape) if reduction == "none" else ref
@@ -139,7 +143,9 @@ def check_batch_parallel_ce(group: dist.ProcessGroup, n: int, r: int) -> None:
         _close(total, ref.detach(), what)
         total.backward()
         _close(lp.grad, shard_slice(lr.grad, rows), f"{what} grad")
-    none = comm.batch_parallel_cross_entropy(shard_slice(logits, rows), shard_slice(target, rows), group, reduction="none")
+    none = comm.batch_parallel_cross_entropy(
+        shard_slice(logits, rows), shard_slice(target, rows), group, reduction="none"
+    )
     _close(none, shard_slice(F.cross_entropy(logits, target, reduction="none"), rows), "batch CE none")
 
 
@@ -160,6 +166,20 @@ def _all_checks(group: dist.ProcessGroup, ranks: list[int]) -> list[str]:
 
 
 def comm_worker(rank: int, world_size: int) -> list[str]:
+    if not dist.is_initialized():  # started without a process group: nnscaler.runtime.init() makes one
+        runtime.init()
+        runtime.init()  # idempotent
+        assert dist.is_initialized() and dist.get_backend() == "gloo" and dist.get_rank() == rank
+        assert runtime.runtime_device() == torch.device("cpu")
+        done = _comm_checks(rank, world_size)
+        runtime.uninit()
+        assert not dist.is_initialized()
+        runtime.uninit()
+        return [*done, "init/uninit"]
+    return _comm_checks(rank, world_size)
+
+
+def _comm_checks(rank: int, world_size: int) -> list[str]:
     half = [[0, 1], [2, 3]]
     create_groups([*half, [0, 2], [1, 3], [0, 1, 2, 3]] if world_size == 4 else [[0, 1]])
     done = _all_checks(get_group(list(range(world_size))), list(range(world_size)))
@@ -176,13 +196,15 @@ def comm_worker(rank: int, world_size: int) -> list[str]:
     return done
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_collectives(world_size: int) -> None:
-    results = run_dist(comm_worker, world_size, timeout=50)
+    # 2 ranks start their process group with nnscaler.runtime.init() (torchrun-style env), 4 ranks
+    # with a FileStore
+    results = run_dist(comm_worker, world_size, timeout=80, init=world_size == 4)
     assert len(results) == world_size
     for done in results:
-        assert len(done) == (5 if world_size == 2 else 11), done
+        assert len(done) == (6 if world_size == 2 else 11), done
 
 
 def test_no_group_is_local() -> None:
@@ -196,4 +218,6 @@ def test_no_group_is_local() -> None:
     assert (comm.rank_in_group(None), comm.group_size(None)) == (0, 1)
     logits, target = torch.randn(5, 9), torch.tensor([1, -100, 3, 8, 0])
     _close(comm.vocab_parallel_cross_entropy(logits, target, 0, None), F.cross_entropy(logits, target), "CE")
-    _close(comm.batch_parallel_cross_entropy(logits, target, None), F.cross_entropy(logits, target), "batch CE")
+    _close(
+        comm.batch_parallel_cross_entropy(logits, target, None), F.cross_entropy(logits, target), "batch CE"
+    )

@@ -57,3 +57,11 @@ def triangular(call: OpCall) -> str:
     ids = letters(len(shape))
     ids = [x + ("^" if i >= len(shape) - 2 else "") for i, x in enumerate(ids)]
     return " ".join(ids) + " -> " + " ".join(ids)
+
+
+@rule("aten.broadcast_tensors.default", "elementwise")
+def broadcast_tensors(call: OpCall) -> str:
+    out = call.outputs[0].shape
+    out_ids = letters(len(out))
+    ins = broadcast_inputs(out, [m.shape for m in call.inputs], out_ids)
+    return ", ".join(ins) + " -> " + ", ".join(" ".join(out_ids) for _ in call.outputs)
