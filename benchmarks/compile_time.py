@@ -22,9 +22,16 @@ def llama3_8b(layers: int) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
-        use_cache=False, attention_dropout=0.0,
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        use_cache=False,
+        attention_dropout=0.0,
     )
     with torch.device("meta"):
         return LlamaForCausalLM(config)
@@ -56,13 +63,25 @@ def main() -> None:
         files = sorted(Path(tmp).glob("gencode*.py"))
         lines = len(files[0].read_text().splitlines())
     peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(json.dumps({
-        "model": f"Llama-3-8B ({args.layers} layers, meta device)", "policy": args.policy,
-        "plan_ngpus": cfg.plan_ngpus, "runtime_ngpus": cfg.runtime_ngpus, "nodes": len(result.graph.nodes),
-        "build_model_s": round(build_s, 2), **{f"{k}_s": round(v, 2) for k, v in result.seconds.items()},
-        "compile_total_s": round(total, 2), "peak_rss_gb": round(peak_rss_gb, 2), "files": len(files),
-        "gencode0_lines": lines, "targets": {"compile_total_s": 30, "peak_rss_gb": 4},
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "model": f"Llama-3-8B ({args.layers} layers, meta device)",
+                "policy": args.policy,
+                "plan_ngpus": cfg.plan_ngpus,
+                "runtime_ngpus": cfg.runtime_ngpus,
+                "nodes": len(result.graph.nodes),
+                "build_model_s": round(build_s, 2),
+                **{f"{k}_s": round(v, 2) for k, v in result.seconds.items()},
+                "compile_total_s": round(total, 2),
+                "peak_rss_gb": round(peak_rss_gb, 2),
+                "files": len(files),
+                "gencode0_lines": lines,
+                "targets": {"compile_total_s": 30, "peak_rss_gb": 4},
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

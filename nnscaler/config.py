@@ -74,7 +74,9 @@ class ComputeConfig:
                 )
             object.__setattr__(self, "runtime_ngpus", int(world))
         if not isinstance(self.runtime_ngpus, int) or self.runtime_ngpus <= 0:
-            raise ConfigError(f"ComputeConfig.runtime_ngpus must be a positive int, got {self.runtime_ngpus!r}")
+            raise ConfigError(
+                f"ComputeConfig.runtime_ngpus must be a positive int, got {self.runtime_ngpus!r}"
+            )
         if self.runtime_ngpus % self.plan_ngpus != 0:
             raise ConfigError(
                 f"ComputeConfig.runtime_ngpus ({self.runtime_ngpus}) must be a multiple of "

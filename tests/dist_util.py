@@ -18,8 +18,11 @@ re-imports its module in the child).
 
 from __future__ import annotations
 
+import faulthandler
+import math
 import os
 import pickle
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -51,6 +54,10 @@ def _error_path(workdir: Path, rank: int) -> Path:
     return workdir / f"error_rank{rank}.txt"
 
 
+def _stack_path(workdir: Path, rank: int) -> Path:
+    return workdir / f"stack_rank{rank}.txt"
+
+
 def _write_atomically(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_bytes(data)
@@ -70,18 +77,20 @@ def _child(
     )
     # Several ranks share 2 cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
+    # On a timeout the parent sends SIGUSR1 first: every thread's Python stack lands in this file.
+    stack_file = open(_stack_path(wd, rank), "w")  # noqa: SIM115 (kept open for the process's life)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
         store = dist.FileStore(str(wd / "filestore"), world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        _write_atomically(_result_path(wd, rank), pickle.dumps(result))
+        result = fn(rank, world_size, *args)
     except BaseException:
+        # Written before the process group goes away with this process: the peers fail only after
+        # that, so the file times put the cause first.
         _write_atomically(_error_path(wd, rank), traceback.format_exc().encode())
         raise SystemExit(1) from None
+    dist.destroy_process_group()
+    _write_atomically(_result_path(wd, rank), pickle.dumps(result))
 
 
 def spawn(
@@ -118,23 +127,50 @@ def spawn(
                 break
             time.sleep(0.05)
     finally:
+        if timed_out:
+            _dump_stacks(procs)
         stopped = _stop(procs)
 
-    problems: list[str] = []
+    # (when, headline, story); sorted by time, since the first failure is usually the cause
+    problems: list[tuple[float, str, str]] = []
     for rank, p in enumerate(procs):
         err = _error_path(workdir, rank)
         if err.exists():
-            problems.append(f"--- rank {rank} raised:\n{err.read_text()}")
+            text = err.read_text()
+            last = text.strip().splitlines()[-1] if text.strip() else "?"
+            problems.append((err.stat().st_mtime, f"rank {rank} raised {last}", f"--- rank {rank} raised:\n{text}"))
         elif rank in stopped:
             why = f"did not finish within {timeout:.0f} s" if timed_out else "was stopped after another rank failed"
-            problems.append(f"--- rank {rank} {why} (still running; likely waiting in a collective)")
+            headline = f"rank {rank} {why} (still running; likely waiting in a collective)"
+            story = f"--- {headline}"
+            stack = _stack_path(workdir, rank)
+            if timed_out and stack.exists() and stack.read_text().strip():
+                story += f"; its Python stacks:\n{stack.read_text()}"
+            problems.append((math.inf, headline, story))
         elif p.exitcode != 0:
-            problems.append(f"--- rank {rank} died with exit code {p.exitcode} and no traceback")
+            headline = f"rank {rank} died with exit code {p.exitcode} and no traceback (see captured stderr)"
+            problems.append((math.inf, headline, f"--- {headline}"))
         elif not _result_path(workdir, rank).exists():
-            problems.append(f"--- rank {rank} exited without writing a result")
+            headline = f"rank {rank} exited without writing a result"
+            problems.append((math.inf, headline, f"--- {headline}"))
     if problems:
-        raise SpawnError(f"{len(problems)} of {world_size} ranks failed:\n" + "\n".join(problems))
+        problems.sort(key=lambda item: item[0])
+        raise SpawnError(
+            f"{len(problems)} of {world_size} ranks failed; first: {problems[0][1]}\n"
+            + "\n".join(story for _, _, story in problems)
+        )
     return [pickle.loads(_result_path(workdir, rank).read_bytes()) for rank in range(world_size)]
+
+
+def _dump_stacks(procs: list[Any]) -> None:
+    """Ask every running child to write its Python stacks (see _child), and give it a moment."""
+    for p in procs:
+        if p.is_alive() and p.pid is not None:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    time.sleep(1.0)
 
 
 def _stop(procs: list[Any]) -> set[int]:

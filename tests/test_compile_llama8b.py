@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from nnscaler import ComputeConfig, parallelize
-from nnscaler.graph.ir import Shard
 
 
 def test_llama3_8b_meta_tp8(tmp_path):
@@ -13,8 +12,14 @@ def test_llama3_8b_meta_tp8(tmp_path):
 
     model = llama3_8b(layers=2)  # two layers keep CI fast; benchmarks/compile_time.py runs all 32
     ids = torch.zeros(1, 128, dtype=torch.long)
-    parallelize(model, {"input_ids": ids, "labels": ids.clone()}, "tp", ComputeConfig(8, 8),
-                gen_savedir=tmp_path, load_module=False)
+    parallelize(
+        model,
+        {"input_ids": ids, "labels": ids.clone()},
+        "tp",
+        ComputeConfig(8, 8),
+        gen_savedir=tmp_path,
+        load_module=False,
+    )
     assert all(p.is_meta for p in model.parameters()), "compiling must not materialise weights"
     outdir = next(tmp_path.glob("_parallel_modules/**/LlamaForCausalLM/_"))
     files = sorted(p.name for p in outdir.glob("gencode*.py"))
@@ -25,6 +30,5 @@ def test_llama3_8b_meta_tp8(tmp_path):
     notes = [p.note for p in plan.nodes.values()]
     assert notes.count("column-parallel") == 2 * 5 + 1 and notes.count("row-parallel") == 2 * 2
     text = (outdir / "gencode5.py").read_text()
-    assert 'shard=(0, 5, 8, 1))' in text  # rank 5 holds the sixth slice of the column-split weights
+    assert "shard=(0, 5, 8, 1))" in text  # rank 5 holds the sixth slice of the column-split weights
     assert text.count("comm.reduce_from_group(") == 2 * 2 + 1  # attention + MLP per layer, + embedding
-    _ = Shard

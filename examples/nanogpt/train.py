@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing examples
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[2])
+)  # run from a checkout without installing examples
 
 import nnscaler  # noqa: E402
 from examples.nanogpt.model import GPT, GPTConfig  # noqa: E402
@@ -33,7 +35,9 @@ def synthetic_tokens(vocab: int, block: int, batch: int, seed: int) -> tuple[tor
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--plan_ngpus", type=int, default=2)
     parser.add_argument("--runtime_ngpus", type=int, default=-1, help="-1: $WORLD_SIZE")
     parser.add_argument("--policy", default="tp", choices=["dp", "data", "tp"])
@@ -52,16 +56,20 @@ def main() -> None:
     idx, targets = synthetic_tokens(config.vocab_size, config.block_size, args.batch_size, seed=0)
     cfg = ComputeConfig(args.plan_ngpus, runtime)
     t0 = time.perf_counter()
-    pm = parallelize(model, {"idx": idx, "targets": targets}, args.policy, cfg, gen_savedir=args.gen_savedir,
-                     reuse="moo")
+    pm = parallelize(
+        model, {"idx": idx, "targets": targets}, args.policy, cfg, gen_savedir=args.gen_savedir, reuse="moo"
+    )
     if rank == 0:
-        print(f"compiled {model.num_params() / 1e6:.2f}M-parameter GPT with policy {args.policy!r}, "
-              f"ComputeConfig({cfg.plan_ngpus}, {cfg.runtime_ngpus}) in {time.perf_counter() - t0:.1f}s")
+        print(
+            f"compiled {model.num_params() / 1e6:.2f}M-parameter GPT with policy {args.policy!r}, "
+            f"ComputeConfig({cfg.plan_ngpus}, {cfg.runtime_ngpus}) in {time.perf_counter() - t0:.1f}s"
+        )
     optimizer = build_optimizer(pm, torch.optim.AdamW, lr=3e-3)
     replica = rank // args.plan_ngpus
     for step in range(args.steps):
-        idx, targets = synthetic_tokens(config.vocab_size, config.block_size, args.batch_size,
-                                        seed=1 + step * cfg.dp_size + replica)
+        idx, targets = synthetic_tokens(
+            config.vocab_size, config.block_size, args.batch_size, seed=1 + step * cfg.dp_size + replica
+        )
         loss = pm(idx.to(pm.device), targets.to(pm.device))
         loss.backward()
         optimizer.step()

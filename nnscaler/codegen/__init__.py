@@ -10,7 +10,14 @@ from nnscaler.partition import Program
 __all__ = ["render_module", "write_atomic", "ModuleView", "build_module_view", "generate_code"]
 
 
-def generate_code(program: Program, rank: int, cfg: ComputeConfig, model_name: str, policy: str,
-                  full_shapes: dict[str, tuple], version: str) -> str:
+def generate_code(
+    program: Program,
+    rank: int,
+    cfg: ComputeConfig,
+    model_name: str,
+    policy: str,
+    full_shapes: dict[str, tuple],
+    version: str,
+) -> str:
     """The source of gencode{rank}.py."""
     return render_module(build_module_view(program, rank, cfg, model_name, policy, full_shapes, version))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -66,40 +67,101 @@ def _slice(s: Statement, f: Formatter) -> str:
     return f"{x}[" + ":, " * dim + part + "]"
 
 
-def _tensor_kwargs(s: Statement, f: Formatter, skip: tuple[str, ...] = ("layout", "pin_memory")) -> dict[str, str]:
+def _tensor_kwargs(
+    s: Statement, f: Formatter, skip: tuple[str, ...] = ("layout", "pin_memory")
+) -> dict[str, str]:
     return {k: f(v) for k, v in s.kwargs.items() if k not in skip and v is not None}
 
 
 _METHOD = {  # aten op -> tensor method taking the remaining positional args
-    "aten.view.default": "view", "aten.reshape.default": "reshape", "aten._unsafe_view.default": "view",
-    "aten.transpose.int": "transpose", "aten.permute.default": "permute", "aten.unsqueeze.default": "unsqueeze",
-    "aten.squeeze.dim": "squeeze", "aten.squeeze.dims": "squeeze", "aten.expand.default": "expand",
-    "aten.contiguous.default": "contiguous", "aten.flatten.using_ints": "flatten", "aten.t.default": "t",
-    "aten.unflatten.int": "unflatten", "aten.chunk.default": "chunk", "aten.type_as.default": "type_as",
-    "aten.view_as.default": "view_as", "aten.expand_as.default": "expand_as", "aten.clone.default": "clone",
-    "aten.masked_fill.Scalar": "masked_fill", "aten.masked_fill.Tensor": "masked_fill",
+    "aten.view.default": "view",
+    "aten.reshape.default": "reshape",
+    "aten._unsafe_view.default": "view",
+    "aten.transpose.int": "transpose",
+    "aten.permute.default": "permute",
+    "aten.unsqueeze.default": "unsqueeze",
+    "aten.squeeze.dim": "squeeze",
+    "aten.squeeze.dims": "squeeze",
+    "aten.expand.default": "expand",
+    "aten.contiguous.default": "contiguous",
+    "aten.flatten.using_ints": "flatten",
+    "aten.t.default": "t",
+    "aten.unflatten.int": "unflatten",
+    "aten.chunk.default": "chunk",
+    "aten.type_as.default": "type_as",
+    "aten.view_as.default": "view_as",
+    "aten.expand_as.default": "expand_as",
+    "aten.clone.default": "clone",
+    "aten.masked_fill.Scalar": "masked_fill",
+    "aten.masked_fill.Tensor": "masked_fill",
 }
-_BINARY = {"aten.add.Tensor": "+", "aten.sub.Tensor": "-", "aten.mul.Tensor": "*", "aten.div.Tensor": "/",
-           "aten.pow.Tensor_Scalar": "**", "aten.pow.Tensor_Tensor": "**", "aten.__and__.Tensor": "&",
-           "aten.__or__.Tensor": "|", "aten.eq.Tensor": "==", "aten.eq.Scalar": "==", "aten.ne.Tensor": "!=",
-           "aten.ne.Scalar": "!=", "aten.lt.Tensor": "<", "aten.lt.Scalar": "<", "aten.le.Tensor": "<=",
-           "aten.le.Scalar": "<=", "aten.gt.Tensor": ">", "aten.gt.Scalar": ">", "aten.ge.Tensor": ">=",
-           "aten.ge.Scalar": ">=", "aten.add.Scalar": "+", "aten.sub.Scalar": "-", "aten.mul.Scalar": "*",
-           "aten.div.Scalar": "/"}
-_TORCH_FN = {"aten.rsqrt.default": "torch.rsqrt", "aten.sqrt.default": "torch.sqrt", "aten.exp.default": "torch.exp",
-             "aten.log.default": "torch.log", "aten.tanh.default": "torch.tanh", "aten.sigmoid.default": "torch.sigmoid",
-             "aten.sin.default": "torch.sin", "aten.cos.default": "torch.cos", "aten.abs.default": "torch.abs",
-             "aten.cat.default": "torch.cat", "aten.stack.default": "torch.stack", "aten.where.self": "torch.where",
-             "aten.arange.default": "torch.arange", "aten.arange.start": "torch.arange",
-             "aten.arange.start_step": "torch.arange", "aten.zeros.default": "torch.zeros",
-             "aten.ones.default": "torch.ones", "aten.full.default": "torch.full", "aten.addmm.default": "torch.addmm",
-             "aten.mm.default": "torch.mm", "aten.bmm.default": "torch.bmm", "aten.matmul.default": "torch.matmul",
-             "aten.cumsum.default": "torch.cumsum", "aten.erf.default": "torch.erf", "aten.triu.default": "torch.triu",
-             "aten.tril.default": "torch.tril", "aten.minimum.default": "torch.minimum",
-             "aten.maximum.default": "torch.maximum", "aten.softmax.int": "torch.softmax",
-             "aten.log_softmax.int": "torch.log_softmax", "aten.diff.default": "torch.diff"}
-_F_FN = {"aten.silu.default": "F.silu", "aten.relu.default": "F.relu", "aten.gelu.default": "F.gelu",
-         "aten.dropout.default": "F.dropout", "aten.linear.default": "F.linear", "aten.pad.default": "F.pad"}
+_BINARY = {
+    "aten.add.Tensor": "+",
+    "aten.sub.Tensor": "-",
+    "aten.mul.Tensor": "*",
+    "aten.div.Tensor": "/",
+    "aten.pow.Tensor_Scalar": "**",
+    "aten.pow.Tensor_Tensor": "**",
+    "aten.__and__.Tensor": "&",
+    "aten.__or__.Tensor": "|",
+    "aten.eq.Tensor": "==",
+    "aten.eq.Scalar": "==",
+    "aten.ne.Tensor": "!=",
+    "aten.ne.Scalar": "!=",
+    "aten.lt.Tensor": "<",
+    "aten.lt.Scalar": "<",
+    "aten.le.Tensor": "<=",
+    "aten.le.Scalar": "<=",
+    "aten.gt.Tensor": ">",
+    "aten.gt.Scalar": ">",
+    "aten.ge.Tensor": ">=",
+    "aten.ge.Scalar": ">=",
+    "aten.add.Scalar": "+",
+    "aten.sub.Scalar": "-",
+    "aten.mul.Scalar": "*",
+    "aten.div.Scalar": "/",
+}
+_TORCH_FN = {
+    "aten.rsqrt.default": "torch.rsqrt",
+    "aten.sqrt.default": "torch.sqrt",
+    "aten.exp.default": "torch.exp",
+    "aten.log.default": "torch.log",
+    "aten.tanh.default": "torch.tanh",
+    "aten.sigmoid.default": "torch.sigmoid",
+    "aten.sin.default": "torch.sin",
+    "aten.cos.default": "torch.cos",
+    "aten.abs.default": "torch.abs",
+    "aten.cat.default": "torch.cat",
+    "aten.stack.default": "torch.stack",
+    "aten.where.self": "torch.where",
+    "aten.arange.default": "torch.arange",
+    "aten.arange.start": "torch.arange",
+    "aten.arange.start_step": "torch.arange",
+    "aten.zeros.default": "torch.zeros",
+    "aten.ones.default": "torch.ones",
+    "aten.full.default": "torch.full",
+    "aten.addmm.default": "torch.addmm",
+    "aten.mm.default": "torch.mm",
+    "aten.bmm.default": "torch.bmm",
+    "aten.matmul.default": "torch.matmul",
+    "aten.cumsum.default": "torch.cumsum",
+    "aten.erf.default": "torch.erf",
+    "aten.triu.default": "torch.triu",
+    "aten.tril.default": "torch.tril",
+    "aten.minimum.default": "torch.minimum",
+    "aten.maximum.default": "torch.maximum",
+    "aten.softmax.int": "torch.softmax",
+    "aten.log_softmax.int": "torch.log_softmax",
+    "aten.diff.default": "torch.diff",
+}
+_F_FN = {
+    "aten.silu.default": "F.silu",
+    "aten.relu.default": "F.relu",
+    "aten.gelu.default": "F.gelu",
+    "aten.dropout.default": "F.dropout",
+    "aten.linear.default": "F.linear",
+    "aten.pad.default": "F.pad",
+}
 
 
 def _reduce(method: str) -> Callable[[Statement, Formatter], str]:
@@ -123,8 +185,13 @@ def _special_ops() -> dict[str, Callable[[Statement, Formatter], str]]:
         names = ["attn_mask", "dropout_p", "is_causal"]
         kw = {n: f(a) for n, a in zip(names, s.args[3:])}
         kw.update({k: f(v) for k, v in s.kwargs.items()})
-        kw = {k: v for k, v in kw.items() if not (k == "attn_mask" and v == "None") and not (k == "dropout_p" and v == "0.0")
-              and not (k in ("is_causal", "enable_gqa") and v == "False")}
+        kw = {
+            k: v
+            for k, v in kw.items()
+            if not (k == "attn_mask" and v == "None")
+            and not (k == "dropout_p" and v == "0.0")
+            and not (k in ("is_causal", "enable_gqa") and v == "False")
+        }
         return _call("F.scaled_dot_product_attention", [f(a) for a in s.args[:3]], kw)
 
     def cross_entropy(s, f):
@@ -150,19 +217,34 @@ def _special_ops() -> dict[str, Callable[[Statement, Formatter], str]]:
         return _call(f"{f(s.args[0])}.split", [f(s.args[1])], kw)
 
     def new_tensor(method):
-        return lambda s, f: _call(f"{f(s.args[0])}.{method}", [f(a) for a in s.args[1:]],
-                                  _tensor_kwargs(s, f, skip=("layout", "pin_memory", "device")))
+        return lambda s, f: _call(
+            f"{f(s.args[0])}.{method}",
+            [f(a) for a in s.args[1:]],
+            _tensor_kwargs(s, f, skip=("layout", "pin_memory", "device")),
+        )
 
     return {
-        "aten.embedding.default": embedding, "aten.layer_norm.default": layer_norm,
-        "aten.scaled_dot_product_attention.default": sdpa, "aten.cross_entropy_loss.default": cross_entropy,
-        "aten.to.dtype": to, "aten.to.dtype_layout": to, "aten.to.device": to, "aten._to_copy.default": to,
-        "aten.split.Tensor": split, "aten.slice.Tensor": _slice,
-        "aten.alias.default": lambda s, f: f(s.args[0]), "aten.neg.default": lambda s, f: f"-{f(s.args[0])}",
-        "aten.new_ones.default": new_tensor("new_ones"), "aten.new_zeros.default": new_tensor("new_zeros"),
-        "aten.new_full.default": new_tensor("new_full"), "aten.new_empty.default": new_tensor("new_empty"),
-        "aten.mean.dim": _reduce("mean"), "aten.mean.default": _reduce("mean"), "aten.sum.dim_IntList": _reduce("sum"),
-        "aten.sum.default": _reduce("sum"), "aten.amax.default": _reduce("amax"),
+        "aten.embedding.default": embedding,
+        "aten.layer_norm.default": layer_norm,
+        "aten.scaled_dot_product_attention.default": sdpa,
+        "aten.cross_entropy_loss.default": cross_entropy,
+        "aten.to.dtype": to,
+        "aten.to.dtype_layout": to,
+        "aten.to.device": to,
+        "aten._to_copy.default": to,
+        "aten.split.Tensor": split,
+        "aten.slice.Tensor": _slice,
+        "aten.alias.default": lambda s, f: f(s.args[0]),
+        "aten.neg.default": lambda s, f: f"-{f(s.args[0])}",
+        "aten.new_ones.default": new_tensor("new_ones"),
+        "aten.new_zeros.default": new_tensor("new_zeros"),
+        "aten.new_full.default": new_tensor("new_full"),
+        "aten.new_empty.default": new_tensor("new_empty"),
+        "aten.mean.dim": _reduce("mean"),
+        "aten.mean.default": _reduce("mean"),
+        "aten.sum.dim_IntList": _reduce("sum"),
+        "aten.sum.default": _reduce("sum"),
+        "aten.amax.default": _reduce("amax"),
     }
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from nnscaler.codegen.expr import Formatter, statement_code
 from nnscaler.config import ComputeConfig
 from nnscaler.graph.ir import Replicate, Shard, iter_refs
 from nnscaler.partition import Program, Statement
-from nnscaler.codegen.expr import Formatter, statement_code
 
 __all__ = ["ShardLine", "CodeLine", "Section", "ModuleView", "build_module_view"]
 
@@ -83,8 +83,15 @@ def _trailing(s: Statement, program: Program, full_shapes: dict[str, tuple]) -> 
     return "  # " + "; ".join(notes) if notes else ""
 
 
-def build_module_view(program: Program, rank: int, cfg: ComputeConfig, model_name: str, policy: str,
-                      full_shapes: dict[str, tuple], version: str) -> ModuleView:
+def build_module_view(
+    program: Program,
+    rank: int,
+    cfg: ComputeConfig,
+    model_name: str,
+    policy: str,
+    full_shapes: dict[str, tuple],
+    version: str,
+) -> ModuleView:
     """Everything the template needs to write gencode{rank}.py."""
     ways = program.ways
     tp_index = rank % cfg.plan_ngpus
@@ -105,8 +112,10 @@ def build_module_view(program: Program, rank: int, cfg: ComputeConfig, model_nam
     shards = []
     for t in program.tensors:
         kind = "" if t.is_param else ", is_param=False" + ("" if t.persistent else ", persistent=False")
-        code = (f'self.add_shard("{t.name}", "{t.original_name}", {tuple(t.full_shape)}, torch.{t.dtype}'
-                f"{_shard_arg(t.layout, tp_index, ways)}{kind})")
+        code = (
+            f'self.add_shard("{t.name}", "{t.original_name}", {tuple(t.full_shape)}, torch.{t.dtype}'
+            f"{_shard_arg(t.layout, tp_index, ways)}{kind})"
+        )
         shards.append(ShardLine(code, _shard_comment(t, t.layout, ways)))
     aliases = [f'self.add_alias("{a}", "{t.original_name}")' for t in program.tensors for a in t.aliases]
     sections: list[Section] = []
@@ -114,15 +123,17 @@ def build_module_view(program: Program, rank: int, cfg: ComputeConfig, model_nam
     for s in program.statements:
         title = _section_of(s.module_path)
         if not sections or sections[-1].key != title:
-            label = f"{title} ({s.module_class})" if title else "top level"
+            cls = program.module_classes.get(title, s.module_class)
+            label = f"{title} ({cls})" if title else "top level"
             sections.append(Section(label, key=title))
             last_source = None
         comments = []
         if s.source and s.source != last_source:
             comments.append(s.source)
             last_source = s.source
-        sections[-1].lines.append(CodeLine(comments, statement_code(s, fmt), _trailing(s, program, full_shapes),
-                                           s.no_grad))
+        sections[-1].lines.append(
+            CodeLine(comments, statement_code(s, fmt), _trailing(s, program, full_shapes), s.no_grad)
+        )
     out_refs = [fmt(r) for r in iter_refs(program.outputs)]
     spec = json.loads(program.out_spec) if program.out_spec else None
     is_leaf = spec is not None and spec[1].get("type") is None and not spec[1].get("children_spec")
@@ -132,10 +143,14 @@ def build_module_view(program: Program, rank: int, cfg: ComputeConfig, model_nam
         return_code = f"pytree.tree_unflatten([{', '.join(fmt(o) for o in program.outputs)}], _OUT_SPEC)"
         spec_json = program.out_spec
     imports = sorted({t.rsplit(".", 1)[0] for t in _spec_types(spec) if "." in t}) if spec_json else []
-    init_call = (f"super().__init__(rank={rank}, world_size={cfg.runtime_ngpus}, plan_ngpus={cfg.plan_ngpus}, "
-                 f'groups={{"tp": {tp_group}, "dp": {dp_group}}}, all_groups={all_groups})')
+    init_call = (
+        f"super().__init__(rank={rank}, world_size={cfg.runtime_ngpus}, plan_ngpus={cfg.plan_ngpus}, "
+        f'groups={{"tp": {tp_group}, "dp": {dp_group}}}, all_groups={all_groups})'
+    )
     signature = ", ".join(["self"] + program.forward_args)
-    return ModuleView(header, imports, rank, init_call, shards, aliases, signature, sections, return_code, spec_json)
+    return ModuleView(
+        header, imports, rank, init_call, shards, aliases, signature, sections, return_code, spec_json
+    )
 
 
 def _spec_types(spec) -> list[str]:

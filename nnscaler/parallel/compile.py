@@ -27,8 +27,15 @@ class CompileResult:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def compile_module(module: torch.nn.Module, dummy_forward_args: dict, policy, cfg: ComputeConfig, outdir: Path,
-                   version: str, reuse_graph: bool = False) -> CompileResult:
+def compile_module(
+    module: torch.nn.Module,
+    dummy_forward_args: dict,
+    policy,
+    cfg: ComputeConfig,
+    outdir: Path,
+    version: str,
+    reuse_graph: bool = False,
+) -> CompileResult:
     """Write graph.json, plan.json, compute_config.json and gencode{rank}.py for every runtime rank."""
     outdir.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}

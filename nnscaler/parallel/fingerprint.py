@@ -31,8 +31,9 @@ def _source_hash(module: torch.nn.Module) -> str:
         return "unknown"
 
 
-def fingerprint(module: torch.nn.Module, dummy_forward_args: dict, policy: str, cfg: ComputeConfig,
-                version: str) -> dict[str, Any]:
+def fingerprint(
+    module: torch.nn.Module, dummy_forward_args: dict, policy: str, cfg: ComputeConfig, version: str
+) -> dict[str, Any]:
     """A JSON-able description; generated code is reused only when it is equal."""
     return {
         "version": version,

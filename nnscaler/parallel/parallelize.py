@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,9 @@ def _barrier() -> None:
 
 def _needs_generation(outdir: Path, fp: dict, reuse: ReuseType, cfg: ComputeConfig) -> bool:
     fp_file = outdir / "fingerprint.json"
-    complete = fp_file.exists() and all((outdir / f"gencode{r}.py").exists() for r in range(cfg.runtime_ngpus))
+    complete = fp_file.exists() and all(
+        (outdir / f"gencode{r}.py").exists() for r in range(cfg.runtime_ngpus)
+    )
     if reuse == ReuseType.OVERRIDE or not complete:
         return True
     if reuse == ReuseType.GRAPH:
@@ -55,7 +58,9 @@ def _broadcast_files(outdir: Path, strategy: BroadcastGenFilesStrategy) -> None:
         return
     payload = [None]
     if _rank() == 0:
-        payload = [{p.name: p.read_text() for p in outdir.iterdir() if p.is_file() and not p.name.startswith(".")}]
+        payload = [
+            {p.name: p.read_text() for p in outdir.iterdir() if p.is_file() and not p.name.startswith(".")}
+        ]
     dist.broadcast_object_list(payload, src=0)
     if _rank() != 0:
         from nnscaler.codegen import write_atomic
@@ -111,7 +116,11 @@ def parallelize(
         raise ConfigError(
             f"broadcast_strategy={broadcast_strategy!r} is not one of {[b.value for b in BroadcastGenFilesStrategy]}"
         ) from None
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != compute_config.runtime_ngpus:
+    if (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() != compute_config.runtime_ngpus
+    ):
         raise ConfigError(
             f"ComputeConfig.runtime_ngpus is {compute_config.runtime_ngpus} but the process group has "
             f"{dist.get_world_size()} ranks"
@@ -122,13 +131,22 @@ def parallelize(
     policy_name, _ = resolve_policy(pas_policy)
     module = None
     if _rank() == 0:
-        module = _build(module_or_module_class, module_fn, module_dtype) if is_class else module_or_module_class
+        module = (
+            _build(module_or_module_class, module_fn, module_dtype) if is_class else module_or_module_class
+        )
         if module_dtype is not None and not is_class:
             module = module.to(module_dtype)
         fp = fingerprint(module, dummy_forward_args, policy_name, compute_config, __version__)
         if _needs_generation(outdir, fp, reuse, compute_config):
-            compile_module(module, dummy_forward_args, pas_policy, compute_config, outdir, __version__,
-                           reuse_graph=reuse == ReuseType.GRAPH)
+            compile_module(
+                module,
+                dummy_forward_args,
+                pas_policy,
+                compute_config,
+                outdir,
+                __version__,
+                reuse_graph=reuse == ReuseType.GRAPH,
+            )
             (outdir / "fingerprint.json").write_text(json.dumps(fp, indent=1))
     _barrier()
     _broadcast_files(outdir, broadcast_strategy)

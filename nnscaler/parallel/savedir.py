@@ -9,6 +9,14 @@ import torch
 __all__ = ["module_outdir"]
 
 
-def module_outdir(gen_savedir: str | Path, module_class: type[torch.nn.Module], instance_name: str | None) -> Path:
+def module_outdir(
+    gen_savedir: str | Path, module_class: type[torch.nn.Module], instance_name: str | None
+) -> Path:
     module_path = module_class.__module__.replace(".", "/")
-    return Path(gen_savedir) / "_parallel_modules" / module_path / module_class.__qualname__ / (instance_name or "_")
+    return (
+        Path(gen_savedir)
+        / "_parallel_modules"
+        / module_path
+        / module_class.__qualname__
+        / (instance_name or "_")
+    )

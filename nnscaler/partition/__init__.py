@@ -4,4 +4,13 @@ from nnscaler.partition.apply_plan import apply_plan, local_shape
 from nnscaler.partition.convert import GROUP, conversion_steps
 from nnscaler.partition.program import LocalTensor, Program, RankScaled, Statement
 
-__all__ = ["apply_plan", "local_shape", "GROUP", "conversion_steps", "LocalTensor", "Program", "RankScaled", "Statement"]
+__all__ = [
+    "apply_plan",
+    "local_shape",
+    "GROUP",
+    "conversion_steps",
+    "LocalTensor",
+    "Program",
+    "RankScaled",
+    "Statement",
+]

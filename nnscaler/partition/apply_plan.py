@@ -13,7 +13,12 @@ from nnscaler.policies import Plan
 
 __all__ = ["apply_plan", "local_shape"]
 
-_SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.expand.default"}
+_SHAPE_ARG_OPS = {
+    "aten.view.default",
+    "aten.reshape.default",
+    "aten._unsafe_view.default",
+    "aten.expand.default",
+}
 _CE_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
@@ -44,8 +49,9 @@ class _Partitioner:
     def _meta(self, name: str, layout: Layout) -> None:
         full = self.graph.values[name].meta if name in self.graph.values else None
         if full is not None:
-            self.program.local_meta[name] = TensorMeta(local_shape(full.shape, layout, self.ways), full.dtype,
-                                                       full.requires_grad)
+            self.program.local_meta[name] = TensorMeta(
+                local_shape(full.shape, layout, self.ways), full.dtype, full.requires_grad
+            )
 
     def _emit(self, stmt: Statement) -> None:
         self.program.statements.append(stmt)
@@ -66,9 +72,19 @@ class _Partitioner:
                 layout = src
                 for step in conversion_steps(src, dst):
                     out = self._fresh(f"{name}_{step.suffix}")
-                    self._emit(Statement("comm", step.fn, (Ref(cur), *step.args), dict(step.kwargs), [out],
-                                         node.name if node else None, node.source if node else "",
-                                         node.module_path if node else "", node.module_class if node else ""))
+                    self._emit(
+                        Statement(
+                            "comm",
+                            step.fn,
+                            (Ref(cur), *step.args),
+                            dict(step.kwargs),
+                            [out],
+                            node.name if node else None,
+                            node.source if node else "",
+                            node.module_path if node else "",
+                            node.module_class if node else "",
+                        )
+                    )
                     layout = step.result
                     self.layouts[out] = layout
                     self.graph_meta_alias(out, name, layout)
@@ -78,10 +94,20 @@ class _Partitioner:
             fkey = (cur, "f")
             if fkey not in self.cache:
                 out = self._fresh(f"{name}_tp")
-                self._emit(Statement("comm", "copy_to_group", (Ref(cur), GROUP), {}, [out],
-                                     node.name if node else None, node.source if node else "",
-                                     node.module_path if node else "", node.module_class if node else "",
-                                     note="f: identity forward, all-reduce of the gradient backward"))
+                self._emit(
+                    Statement(
+                        "comm",
+                        "copy_to_group",
+                        (Ref(cur), GROUP),
+                        {},
+                        [out],
+                        node.name if node else None,
+                        node.source if node else "",
+                        node.module_path if node else "",
+                        node.module_class if node else "",
+                        note="f: identity forward, all-reduce of the gradient backward",
+                    )
+                )
                 self.layouts[out] = dst
                 self.graph_meta_alias(out, name, dst)
                 self.cache[fkey] = out
@@ -91,8 +117,9 @@ class _Partitioner:
     def graph_meta_alias(self, new: str, orig: str, layout: Layout) -> None:
         full = self.graph.values[orig].meta
         if full is not None:
-            self.program.local_meta[new] = TensorMeta(local_shape(full.shape, layout, self.ways), full.dtype,
-                                                      full.requires_grad)
+            self.program.local_meta[new] = TensorMeta(
+                local_shape(full.shape, layout, self.ways), full.dtype, full.requires_grad
+            )
 
     # ---- parameters ----------------------------------------------------------------------------
     def _place_tensors(self) -> None:
@@ -116,8 +143,18 @@ class _Partitioner:
             layout = chosen.get(v.name, Replicate())
             self.layouts[v.name] = layout
             self._meta(v.name, layout)
-            self.program.tensors.append(LocalTensor(v.name, v.target or v.name, v.aliases, v.meta.shape, v.meta.dtype,
-                                                    layout, v.kind == "param", v.persistent))
+            self.program.tensors.append(
+                LocalTensor(
+                    v.name,
+                    v.target or v.name,
+                    v.aliases,
+                    v.meta.shape,
+                    v.meta.dtype,
+                    layout,
+                    v.kind == "param",
+                    v.persistent,
+                )
+            )
 
     # ---- nodes ---------------------------------------------------------------------------------
     def run(self) -> Program:
@@ -132,6 +169,7 @@ class _Partitioner:
             out_refs[ref.name] = self._convert(ref.name, Replicate(), None, sync_grad=False)
         self.program.outputs = map_refs(self.graph.outputs, lambda r: Ref(out_refs[r.name]))
         self.program.layouts = dict(self.layouts)
+        self.program.module_classes = dict(self.graph.module_classes)
         return self.program
 
     def _node(self, node: Node) -> None:
@@ -159,8 +197,14 @@ class _Partitioner:
         for out, layout in zip(node.outputs, outs):
             self.layouts[out] = layout
             self._meta(out, layout)
-        common = dict(node=node.name, source=node.source, module_path=node.module_path,
-                      module_class=node.module_class, note=np.note, no_grad=node.no_grad)
+        common = dict(
+            node=node.name,
+            source=node.source,
+            module_path=node.module_path,
+            module_class=node.module_class,
+            note=np.note,
+            no_grad=node.no_grad,
+        )
         multi = dict(tuple_output=node.tuple_output)
         if not split:
             self._emit(Statement("op", node.op, tuple(args), kwargs, list(node.outputs), **common, **multi))
@@ -180,7 +224,9 @@ class _Partitioner:
                 common["note"] = "mean over a split dim: each device's share of the mean (partial sums)"
                 self._emit(Statement("scale", "div", (Ref(tmp), np.ways), {}, list(node.outputs), **common))
             else:
-                self._emit(Statement("op", node.op, tuple(args), kwargs, list(node.outputs), **common, **multi))
+                self._emit(
+                    Statement("op", node.op, tuple(args), kwargs, list(node.outputs), **common, **multi)
+                )
 
     def _localise_args(self, node: Node, args: tuple) -> tuple:
         """Replace shape arguments by this rank's local shapes."""

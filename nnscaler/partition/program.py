@@ -67,6 +67,7 @@ class Program:
     out_spec: str = ""
     local_meta: dict[str, TensorMeta] = field(default_factory=dict)
     layouts: dict[str, Layout] = field(default_factory=dict)
+    module_classes: dict[str, str] = field(default_factory=dict)
     """Layout of every activation as produced (before conversions)."""
 
     def comm_count(self) -> dict[str, int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
@@ -11,7 +11,15 @@ from nnscaler.graph.ops import annotate_node, get_rule, layouts_for
 from nnscaler.policies.builtin import pas_data, pas_dp, pas_tp
 from nnscaler.policies.plan import REPLICATE, NodePlan, Plan
 
-__all__ = ["NodePlan", "Plan", "REPLICATE", "BUILTIN_POLICIES", "resolve_policy", "make_plan", "validate_plan"]
+__all__ = [
+    "NodePlan",
+    "Plan",
+    "REPLICATE",
+    "BUILTIN_POLICIES",
+    "resolve_policy",
+    "make_plan",
+    "validate_plan",
+]
 
 Policy = Callable[[Graph, ComputeConfig], Plan]
 
@@ -35,7 +43,9 @@ def resolve_policy(policy: str | Policy) -> tuple[str, Policy]:
 def validate_plan(graph: Graph, plan: Plan, cfg: ComputeConfig) -> None:
     """Check every split against the annotation and the device count; raise PlanError naming the node."""
     if plan.plan_ngpus != cfg.plan_ngpus:
-        raise PlanError(f"plan is for {plan.plan_ngpus} devices but ComputeConfig.plan_ngpus is {cfg.plan_ngpus}")
+        raise PlanError(
+            f"plan is for {plan.plan_ngpus} devices but ComputeConfig.plan_ngpus is {cfg.plan_ngpus}"
+        )
     names = {n.name for n in graph.nodes}
     unknown = sorted(set(plan.nodes) - names)
     if unknown:
@@ -51,7 +61,9 @@ def validate_plan(graph: Graph, plan: Plan, cfg: ComputeConfig) -> None:
             )
         bound = annotate_node(node, graph)
         if bound is None:
-            raise PlanError(f"node {node.name} ({node.op}, {node.source}) has no annotation and cannot be split")
+            raise PlanError(
+                f"node {node.name} ({node.op}, {node.source}) has no annotation and cannot be split"
+            )
         result = layouts_for(bound, get_rule(node.op), np.split, np.ways, np.blocks)
         if isinstance(result, str):
             raise PlanError(

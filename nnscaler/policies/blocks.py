@@ -7,8 +7,15 @@ from nnscaler.graph.ir import Graph
 __all__ = ["blocks_hint"]
 
 _CHUNKERS = {"aten.split.Tensor", "aten.chunk.default"}
-_SAME_LAST_DIM = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
-                  "aten.contiguous.default", "aten.to.dtype", "aten.clone.default", "aten.alias.default"}
+_SAME_LAST_DIM = {
+    "aten.view.default",
+    "aten.reshape.default",
+    "aten._unsafe_view.default",
+    "aten.contiguous.default",
+    "aten.to.dtype",
+    "aten.clone.default",
+    "aten.alias.default",
+}
 
 
 def blocks_hint(graph: Graph, value: str, depth: int = 4) -> int:

@@ -12,8 +12,12 @@ from nnscaler.policies.propagate import PropagationState, propagate
 
 __all__ = ["pas_dp", "pas_data", "pas_tp"]
 
-_LINEAR_WEIGHT = {"aten.linear.default": (0, 1), "aten.addmm.default": (1, 2), "aten.mm.default": (0, 1),
-                  "aten.matmul.default": (0, 1)}
+_LINEAR_WEIGHT = {
+    "aten.linear.default": (0, 1),
+    "aten.addmm.default": (1, 2),
+    "aten.mm.default": (0, 1),
+    "aten.matmul.default": (0, 1),
+}
 
 
 def _notes(plans: dict[str, NodePlan]) -> tuple[str, ...]:
@@ -34,7 +38,9 @@ def _from_input(graph: Graph, value: str, depth: int = 4) -> bool:
 def pas_dp(graph: Graph, cfg: ComputeConfig) -> Plan:
     """Replicate everything on the single plan device; data parallelism comes from runtime_ngpus."""
     if cfg.plan_ngpus != 1:
-        raise PlanError(f"policy 'dp' needs ComputeConfig.plan_ngpus == 1, got {cfg.plan_ngpus}; use 'tp' or 'data'")
+        raise PlanError(
+            f"policy 'dp' needs ComputeConfig.plan_ngpus == 1, got {cfg.plan_ngpus}; use 'tp' or 'data'"
+        )
     return Plan("dp", 1, {n.name: NodePlan() for n in graph.nodes})
 
 

@@ -42,8 +42,10 @@ class Plan:
             "policy": self.policy,
             "plan_ngpus": self.plan_ngpus,
             "notes": list(self.notes),
-            "nodes": {k: {f: v for f, v in asdict(p).items() if v not in ("", None) or f == "split"}
-                      for k, p in self.nodes.items()},
+            "nodes": {
+                k: {f: v for f, v in asdict(p).items() if v not in ("", None) or f == "split"}
+                for k, p in self.nodes.items()
+            },
         }
         return json.dumps(data, indent=1, sort_keys=False)
 

@@ -8,8 +8,8 @@ views and attention to the row-split linear without any communication in between
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from nnscaler.graph.ir import Graph, Layout, Node, Partial, Replicate, Shard, iter_refs
 from nnscaler.graph.ops import BoundAnno, annotate_node, get_rule, layouts_for, split_candidates
@@ -33,10 +33,14 @@ class PropagationState:
         return self.layouts.get(name)
 
     def input_layouts(self, node: Node) -> list[Layout | None]:
-        return [self.layout(r.name) for r in iter_refs((node.args, node.kwargs)) if self.graph.values[r.name].meta]
+        return [
+            self.layout(r.name) for r in iter_refs((node.args, node.kwargs)) if self.graph.values[r.name].meta
+        ]
 
 
-def conversion_cost(src: Layout | None, dst: Layout | None, nbytes: int, allow_partial_to_shard: bool) -> float:
+def conversion_cost(
+    src: Layout | None, dst: Layout | None, nbytes: int, allow_partial_to_shard: bool
+) -> float:
     """Bytes moved to turn layout src into dst (tiny for a local slice; inf when not allowed)."""
     if src is None or dst is None or src == dst:
         return 0.0
@@ -65,7 +69,9 @@ def _score(state: PropagationState, node: Node, bound: BoundAnno, plan: NodePlan
     refs = [r for r in iter_refs((node.args, node.kwargs)) if state.graph.values[r.name].meta]
     cost = 0.0
     for ref, req in zip(refs, lay.inputs):
-        cost += conversion_cost(state.layout(ref.name), req or Replicate(), _nbytes(state.graph, ref.name), allow_p2s)
+        cost += conversion_cost(
+            state.layout(ref.name), req or Replicate(), _nbytes(state.graph, ref.name), allow_p2s
+        )
     return cost
 
 
@@ -98,7 +104,9 @@ def best_follow(state: PropagationState, node: Node, bound: BoundAnno, allow_p2s
 Decide = Callable[[PropagationState, Node, BoundAnno], NodePlan | None]
 
 
-def propagate(graph: Graph, ways: int, decide: Decide | None = None, allow_partial_to_shard: bool = False) -> dict[str, NodePlan]:
+def propagate(
+    graph: Graph, ways: int, decide: Decide | None = None, allow_partial_to_shard: bool = False
+) -> dict[str, NodePlan]:
     """Choose a NodePlan for every node; `decide` may fix a node's plan (return None to let it follow)."""
     state = PropagationState(graph, ways, {name: Replicate() for name in graph.inputs})
     plans: dict[str, NodePlan] = {}
@@ -108,9 +116,11 @@ def propagate(graph: Graph, ways: int, decide: Decide | None = None, allow_parti
             plan = NodePlan(note="no annotation: kept whole on every device")
         else:
             plan = (decide(state, node, bound) if decide else None) or best_follow(
-                state, node, bound, allow_partial_to_shard)
+                state, node, bound, allow_partial_to_shard
+            )
             if plan.split is not None and isinstance(
-                    layouts_for(bound, get_rule(node.op), plan.split, plan.ways, plan.blocks), str):
+                layouts_for(bound, get_rule(node.op), plan.split, plan.ways, plan.blocks), str
+            ):
                 plan = NodePlan(note=f"cannot split on {plan.split!r}: kept whole")
         plans[node.name] = plan
         _record(state, node, bound, plan)

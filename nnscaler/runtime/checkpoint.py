@@ -46,6 +46,11 @@ def _shard_map(metas: Mapping[str, Meta]) -> dict[str, Meta]:
     return {prefix + name: m for prefix, meta in metas.items() for name, m in meta["fullmap"].items()}
 
 
+def _layout(m: Meta) -> tuple[int, int, int]:
+    dim, _, ways, blocks = m["shard"]
+    return dim, ways, blocks
+
+
 def _assemble(key: str, pieces: dict[int, torch.Tensor], m: Meta) -> torch.Tensor:
     dim, _, ways, blocks = m["shard"]
     try:
@@ -68,9 +73,11 @@ def merge_state_dicts(
     (SGD momentum, Adam, AdamW, ...) are merged; scalar states (`step`) are copied.
 
     Parameter order of the merged optimizer state: group by group, each parameter in the order the
-    ranks list it (ranks ascending). This is the single-device optimizer's order over
-    `original_model.parameters()` as long as the generated module registers parameters in the
-    original order (the compiler does). Each merged group also carries `param_names`.
+    ranks list it (ranks ascending), i.e. the order in which the generated module registers them with
+    `add_shard`. That is the single-device optimizer's order over `original_model.parameters()` when
+    the generated code registers parameters in the original `state_dict()` order (the compiler's
+    contract); each merged group also carries `param_names`, and `load_merged_state_dict` uses those
+    names, so loading back is exact even when the order differs.
     """
     order = sorted(
         range(len(model_state_dicts)),
@@ -91,8 +98,9 @@ def merge_state_dicts(
             if m is None or m["shard"] is None:
                 merged.setdefault(key, value)
                 continue
-            if specs.setdefault(key, m)["full_shape"] != m["full_shape"]:
-                raise ValueError(f"merge_state_dicts: ranks disagree on the full shape of {key}")
+            spec = specs.setdefault(key, m)
+            if spec["full_shape"] != m["full_shape"] or _layout(spec) != _layout(m):
+                raise ValueError(f"merge_state_dicts: ranks disagree on the full shape or sharding of {key}")
             merged.setdefault(key, None)
             pieces.setdefault(key, {})[m["shard"][1]] = value
     for key, parts in pieces.items():

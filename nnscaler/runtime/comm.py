@@ -3,7 +3,8 @@
 Every function is the plain local operation when `group` is None (one rank, or no process group).
 `n` is the group size and `r` this rank's index in the group (ranks are ordered by global rank).
 Sharded tensors follow `nnscaler.runtime.shard`: `blocks > 1` means a strided shard of `blocks`
-equal contiguous blocks.
+equal contiguous blocks. Outputs of `copy_to_group` (and of `split_to_group` along dim 0) are views
+of the input made inside an autograd Function: use them out of place (no `add_` on them).
 """
 
 from __future__ import annotations
@@ -246,19 +247,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         lmax = x.max(dim=-1).values
         if group is not None:
             dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
-        shifted = x - lmax.unsqueeze(-1)
-        exp = shifted.exp()
         valid = target != ignore_index
         mine = valid & (target >= vocab_start) & (target < vocab_start + n_local)
         local_t = (target - vocab_start).masked_fill(~mine, 0)
-        picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        parts = [exp.sum(-1), picked]
+        picked = (x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) - lmax).masked_fill(~mine, 0.0)
+        softmax = (x - lmax.unsqueeze(-1)).exp_()  # the only [N, V_local] tensor kept for backward
+        parts = [softmax.sum(-1), picked]
         if label_smoothing > 0:
-            parts.append(shifted.sum(-1))
+            parts.append(x.sum(-1) - n_local * lmax)
         flat = torch.cat([torch.stack(parts).flatten(), x.new_tensor([float(n_local)])])
         if group is not None:
             dist.all_reduce(flat, group=group)
         sums, vocab = flat[:-1].view(len(parts), -1), flat[-1]
+        softmax.div_(sums[0].unsqueeze(-1))
         lse = sums[0].log()
         loss = lse - sums[1]
         if label_smoothing > 0:
@@ -271,7 +272,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             out = loss.sum()
         else:
             out = loss
-        ctx.save_for_backward(exp / sums[0].unsqueeze(-1), local_t, mine, valid, count, vocab)
+        ctx.save_for_backward(softmax, local_t, mine, valid, count, vocab)
         ctx.opts = (reduction, label_smoothing, logits.dtype)
         return out.to(logits.dtype)
 

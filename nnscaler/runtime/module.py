@@ -363,7 +363,7 @@ class ParallelModule(nn.Module):
         if not self._grads_synced:
             self.sync_grad()
         params = [self._tensor(n) for n, i in self.fullmap.items() if i.is_param]
-        owned = params
+        owned = [p for p, own in zip(params, self._owned_params()) if own]
         total = grad_sq_norm(owned, device=runtime_device())
         plan = self.group("plan")
         if plan is not None:

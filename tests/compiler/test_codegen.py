@@ -55,11 +55,13 @@ def test_output_directory_layout_and_reuse(tmp_path):
     with pytest.raises(ConfigError, match="reuse='moo'"):
         parallelize(model, other, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path, instance_name="first")
     # moo regenerates; override always regenerates
-    pm = parallelize(model, other, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path, instance_name="first",
-                     reuse="moo")
+    pm = parallelize(
+        model, other, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path, instance_name="first", reuse="moo"
+    )
     torch.testing.assert_close(pm(**other), model(**other))
-    parallelize(model, other, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path, instance_name="first",
-                reuse="override")
+    parallelize(
+        model, other, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path, instance_name="first", reuse="override"
+    )
     assert (outdir / "gencode0.py").stat().st_mtime_ns != stamp
 
 

@@ -55,7 +55,9 @@ def test_data_dependent_control_flow_names_source_line(tmp_path):
 
 
 def test_unannotated_op_that_cannot_be_replicated(tmp_path):
-    with pytest.raises(TraceError, match=r"aten.bernoulli.default at test_errors.py:30.*no annotation.*register_op"):
+    with pytest.raises(
+        TraceError, match=r"aten.bernoulli.default at test_errors.py:30.*no annotation.*register_op"
+    ):
         parallelize(Noisy(), {"x": torch.randn(2, 4)}, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path)
 
 
@@ -63,5 +65,10 @@ def test_unknown_policy(tmp_path):
     from nnscaler.errors import PlanError
 
     with pytest.raises(PlanError, match="unknown pas_policy 'zz'"):
-        parallelize(TwoArgs(), {"x": torch.randn(2, 4), "y": torch.randn(2, 4)}, "zz", ComputeConfig(1, 1),
-                    gen_savedir=tmp_path)
+        parallelize(
+            TwoArgs(),
+            {"x": torch.randn(2, 4), "y": torch.randn(2, 4)},
+            "zz",
+            ComputeConfig(1, 1),
+            gen_savedir=tmp_path,
+        )

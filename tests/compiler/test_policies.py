@@ -22,12 +22,16 @@ def test_plan_json_round_trip(zoo_graphs, policy, cfg):
 
 
 def _block_comms(program, block: str) -> Counter:
-    return Counter(s.op for s in program.statements
-                   if s.kind == "comm" and (s.module_path == block or s.module_path.startswith(block + ".")))
+    return Counter(
+        s.op
+        for s in program.statements
+        if s.kind == "comm" and (s.module_path == block or s.module_path.startswith(block + "."))
+    )
 
 
-@pytest.mark.parametrize("model,block", [("gpt", "transformer.h.1"), ("gpt2", "transformer.h.1"),
-                                         ("llama", "model.layers.1")])
+@pytest.mark.parametrize(
+    "model,block", [("gpt", "transformer.h.1"), ("gpt2", "transformer.h.1"), ("llama", "model.layers.1")]
+)
 def test_tp_is_megatron_style(zoo_graphs, model, block):
     """Per block: column then row linears, one all-reduce after attention and one after the MLP."""
     graph = zoo_graphs[model][0]

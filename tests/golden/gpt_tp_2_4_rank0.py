@@ -72,7 +72,7 @@ class GenModel(ParallelModule):
         # model.py:137  x = self.transformer.drop(tok_emb + pos_emb)
         dropout = F.dropout(add, 0.0, True)
 
-        # ---- transformer.h.0 (LayerNorm) ---------------------------------------------------------------
+        # ---- transformer.h.0 (Block) -------------------------------------------------------------------
         # model.py:89  x = x + self.attn(self.ln_1(x))
         layer_norm = F.layer_norm(dropout, [64], self.transformer_h_0_ln_1_weight, self.transformer_h_0_ln_1_bias, 1e-05)
         # model.py:56  q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
@@ -113,7 +113,7 @@ class GenModel(ParallelModule):
         # model.py:90  x = x + self.mlp(self.ln_2(x))
         add_2 = add_1 + dropout_2
 
-        # ---- transformer.h.1 (LayerNorm) ---------------------------------------------------------------
+        # ---- transformer.h.1 (Block) -------------------------------------------------------------------
         # model.py:89  x = x + self.attn(self.ln_1(x))
         layer_norm_2 = F.layer_norm(add_2, [64], self.transformer_h_1_ln_1_weight, self.transformer_h_1_ln_1_bias, 1e-05)
         # model.py:56  q, k, v = self.c_attn(x).split(self.n_embd, dim=2)

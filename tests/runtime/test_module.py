@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nnscaler.config import ComputeConfig
 from nnscaler.runtime import (
     ParallelModule,
     broadcast_weights,
@@ -68,7 +69,7 @@ class Gen(ParallelModule):
             all_groups=[list(range(s, s + plan)) for s in range(0, world, plan)]
             + [list(range(i, world, plan)) for i in range(plan)],
         )
-        t, f32 = rank % plan, torch.float32
+        t, f32 = (rank + 1) % plan, torch.float32  # shard index != rank: pieces are matched by index
         # in the original state-dict order (merged optimizer state is ordered by registration)
         self.add_shard("scale", "scale", (D,), f32)
         self.add_shard("offset", "offset", (D,), f32, is_param=False)
@@ -136,6 +137,7 @@ def train_worker(rank: int, world: int) -> dict[str, Any]:
     ref, full, x, t = _setup()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
     pm = Gen(rank, world, plan, init_params=False)
+    pm.compute_config = ComputeConfig(plan, world, reducer_bucket_cap_mb=1e-4)  # ~26 floats a bucket
     pm.load_merged_state_dict(full)
     opt = build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=0.1)
     syncs = []
@@ -299,8 +301,9 @@ def test_initial_weights_from_class_attribute_or_file(tmp_path: Any) -> None:
 
     with pytest.warns(UserWarning, match="not initialised"):
         pm = FromFile(1, 2, 2)  # rank 1 of a 2-way plan, built without a process group
-    _close(pm.fc1_weight, torch.cat([full["fc1.weight"][i : i + 3] for i in (3, 9, 15)]), "strided shard")
-    _close(pm.fc2_weight, full["fc2.weight"][:, 3:], "column shard")
+    # rank 1 holds shard index 0
+    _close(pm.fc1_weight, torch.cat([full["fc1.weight"][i : i + 3] for i in (0, 6, 12)]), "strided shard")
+    _close(pm.fc2_weight, full["fc2.weight"][:, :3], "column shard")
 
     class Missing(Gen):
         init_state_dict = {k: v for k, v in full.items() if k != "freq"}

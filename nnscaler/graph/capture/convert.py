@@ -17,12 +17,18 @@ from nnscaler.graph.ir import Graph, Node, Ref, TensorMeta, Value, map_refs
 
 __all__ = ["convert_exported"]
 
-_DROPPED_OPS = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default"}
+_DROPPED_OPS = {
+    "aten._assert_tensor_metadata.default",
+    "aten._assert_scalar.default",
+    "aten.sym_constrain_range_for_size.default",
+}
 
 
 def _meta_of(val: Any) -> TensorMeta | None:
     if isinstance(val, torch.Tensor):
-        return TensorMeta(tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch."), bool(val.requires_grad))
+        return TensorMeta(
+            tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch."), bool(val.requires_grad)
+        )
     return None
 
 
@@ -50,7 +56,9 @@ class _Converter:
     def __init__(self, ep: torch.export.ExportedProgram, module: torch.nn.Module, forward_args: list[str]):
         self.ep = ep
         self.module = module
-        self.graph = Graph(module_class=f"{type(module).__module__}.{type(module).__qualname__}", forward_args=forward_args)
+        self.graph = Graph(
+            module_class=f"{type(module).__module__}.{type(module).__qualname__}", forward_args=forward_args
+        )
         self.env: dict[str, Any] = {}  # fx node name -> Ref / list of Refs / constant
         self.names: set[str] = set()
         self.tied = self._tied_names()
@@ -76,8 +84,11 @@ class _Converter:
 
     def convert(self) -> Graph:
         specs = {spec.arg.name: spec for spec in self.ep.graph_signature.input_specs}
-        non_persistent = set(self.ep.graph_signature.non_persistent_buffers) if hasattr(
-            self.ep.graph_signature, "non_persistent_buffers") else set()
+        non_persistent = (
+            set(self.ep.graph_signature.non_persistent_buffers)
+            if hasattr(self.ep.graph_signature, "non_persistent_buffers")
+            else set()
+        )
         for fx_node in self.ep.graph.nodes:
             if fx_node.op == "placeholder":
                 self._placeholder(fx_node, specs[fx_node.name], non_persistent)
@@ -118,7 +129,14 @@ class _Converter:
         aliases = tuple(n for n in self.tied.get(target, [target]) if n != target) if kind != "input" else ()
         if kind == "param":
             meta = TensorMeta(meta.shape, meta.dtype, True) if meta else meta
-        persistent = not (kind == "buffer" and (not spec.persistent if hasattr(spec, "persistent") and spec.persistent is not None else target in non_persistent))
+        persistent = not (
+            kind == "buffer"
+            and (
+                not spec.persistent
+                if hasattr(spec, "persistent") and spec.persistent is not None
+                else target in non_persistent
+            )
+        )
         self.graph.values[name] = Value(name, meta, kind, None, target, aliases, persistent)
         if kind == "input":
             self.graph.inputs.append(name)
@@ -153,6 +171,9 @@ class _Converter:
         val = fx_node.meta.get("val")
         source = _source_of(fx_node)
         mpath, mcls = _module_of(fx_node)
+        for path, cls in (fx_node.meta.get("nn_module_stack") or {}).values():
+            name = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
+            self.graph.module_classes.setdefault(str(path), name.rsplit(".", 1)[-1])
         node_name = self._fresh(fx_node.name)
         outputs: list[str] = []
         if isinstance(val, (list, tuple)):
@@ -170,8 +191,18 @@ class _Converter:
             outputs.append(node_name)
             self.env[fx_node.name] = Ref(node_name)
         self.graph.nodes.append(
-            Node(node_name, op, tuple(args), dict(kwargs), outputs, source, mpath, mcls, no_grad,
-                 isinstance(val, (list, tuple)))
+            Node(
+                node_name,
+                op,
+                tuple(args),
+                dict(kwargs),
+                outputs,
+                source,
+                mpath,
+                mcls,
+                no_grad,
+                isinstance(val, (list, tuple)),
+            )
         )
 
     def _inline(self, fx_node: torch.fx.Node, gm: torch.fx.GraphModule, enabled: bool) -> None:
@@ -203,7 +234,9 @@ class _Converter:
         self.graph.out_spec = pytree.treespec_dumps(self.ep.call_spec.out_spec)
 
 
-def convert_exported(ep: torch.export.ExportedProgram, module: torch.nn.Module, forward_args: list[str]) -> Graph:
+def convert_exported(
+    ep: torch.export.ExportedProgram, module: torch.nn.Module, forward_args: list[str]
+) -> Graph:
     """Build a Graph from an exported program; values keep state-dict names, nodes keep source lines."""
     graph = _Converter(ep, module, forward_args).convert()
     _propagate_requires_grad(graph)
@@ -214,7 +247,8 @@ def _propagate_requires_grad(graph: Graph) -> None:
     """A value needs grad when it is a float output of a grad-enabled node with a grad-needing input."""
     for node in graph.nodes:
         needs = not node.no_grad and any(
-            graph.values[n].meta is not None and graph.values[n].meta.requires_grad for n in node.input_names()
+            graph.values[n].meta is not None and graph.values[n].meta.requires_grad
+            for n in node.input_names()
         )
         for out in node.outputs:
             v = graph.values[out]

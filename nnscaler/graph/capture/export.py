@@ -26,7 +26,9 @@ def check_forward_args(module: torch.nn.Module, dummy_forward_args: dict[str, An
     names = []
     for name, p in params.items():
         if p.kind == p.POSITIONAL_ONLY:
-            raise TraceError(f"{type(module).__name__}.forward has positional-only argument {name!r}; not supported")
+            raise TraceError(
+                f"{type(module).__name__}.forward has positional-only argument {name!r}; not supported"
+            )
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         if name in dummy_forward_args:
@@ -65,7 +67,12 @@ def export_module(module: torch.nn.Module, kwargs: dict[str, Any]) -> torch.expo
         where = _user_frame(exc)
         data_dependent = any(
             key in msg
-            for key in ("data-dependent", "data dependent", "GuardOnDataDependentSymNode", "Could not guard on")
+            for key in (
+                "data-dependent",
+                "data dependent",
+                "GuardOnDataDependentSymNode",
+                "Could not guard on",
+            )
         )
         if data_dependent:
             raise TraceError(
@@ -73,4 +80,6 @@ def export_module(module: torch.nn.Module, kwargs: dict[str, Any]) -> torch.expo
                 "cannot be captured. Rewrite it with tensor ops (torch.where, masking) or move the "
                 f"decision out of forward. torch.export said: {msg.splitlines()[0]}"
             ) from exc
-        raise TraceError(f"torch.export could not capture the model at {where}: {msg.splitlines()[0]}") from exc
+        raise TraceError(
+            f"torch.export could not capture the model at {where}: {msg.splitlines()[0]}"
+        ) from exc

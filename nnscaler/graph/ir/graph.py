@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 __all__ = ["TensorMeta", "Value", "Ref", "Node", "Graph", "iter_refs", "map_refs"]
 
@@ -93,6 +94,8 @@ class Graph:
     out_spec: str = ""
     """torch.utils._pytree treespec_dumps of the forward's output structure."""
     module_class: str = ""
+    module_classes: dict[str, str] = field(default_factory=dict)
+    """Module path -> class name, for every module the trace passed through."""
 
     def params(self) -> list[Value]:
         return [v for v in self.values.values() if v.kind == "param"]

@@ -80,6 +80,7 @@ def graph_to_json(graph: Graph) -> str:
         ],
         "outputs": encode_const(graph.outputs),
         "out_spec": graph.out_spec,
+        "module_classes": graph.module_classes,
     }
     return json.dumps(data, indent=1)
 
@@ -99,4 +100,5 @@ def graph_from_json(text: str) -> Graph:
         g.nodes.append(Node(**n))
     g.outputs = decode_const(data["outputs"])
     g.out_spec = data["out_spec"]
+    g.module_classes = data.get("module_classes", {})
     return g

@@ -16,7 +16,9 @@ def verify(graph: Graph) -> None:
         for out in node.outputs:
             assert out in graph.values, f"node {node.name} writes unknown value {out}"
             assert out not in defined, f"value {out} is written twice (second time by {node.name})"
-            assert graph.values[out].producer == node.name, f"value {out} does not name {node.name} as producer"
+            assert graph.values[out].producer == node.name, (
+                f"value {out} does not name {node.name} as producer"
+            )
             defined.add(out)
     for name in graph.output_names():
         assert name in defined, f"graph output {name} is never defined"

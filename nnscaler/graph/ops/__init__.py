@@ -11,9 +11,26 @@ from nnscaler.graph.ops.registry import OpCall, OpRule, Special, all_rules, get_
 from nnscaler.graph.ops.split import SplitLayouts, is_bias_split, layouts_for, split_candidates, split_layouts
 
 __all__ = [
-    "AnnotationError", "DimAnno", "OpAnno", "TensorAnno", "parse_annotation", "BoundAnno", "bind_annotation",
-    "OpCall", "OpRule", "Special", "all_rules", "get_rule", "op_call", "register_rule", "SplitLayouts",
-    "split_candidates", "split_layouts", "annotate_node", "layouts_for", "is_bias_split",
+    "AnnotationError",
+    "DimAnno",
+    "OpAnno",
+    "TensorAnno",
+    "parse_annotation",
+    "BoundAnno",
+    "bind_annotation",
+    "OpCall",
+    "OpRule",
+    "Special",
+    "all_rules",
+    "get_rule",
+    "op_call",
+    "register_rule",
+    "SplitLayouts",
+    "split_candidates",
+    "split_layouts",
+    "annotate_node",
+    "layouts_for",
+    "is_bias_split",
 ]
 
 

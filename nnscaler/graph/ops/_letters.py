@@ -19,7 +19,9 @@ def dims_text(ids: list[str]) -> str:
     return " ".join(ids)
 
 
-def broadcast_inputs(out_shape: tuple[int, ...], in_shapes: list[tuple[int, ...]], out_ids: list[str]) -> list[str]:
+def broadcast_inputs(
+    out_shape: tuple[int, ...], in_shapes: list[tuple[int, ...]], out_ids: list[str]
+) -> list[str]:
     """Annotate inputs that broadcast to out_shape: aligned right, size-1 dims against a larger size are '1'."""
     texts = []
     for shape in in_shapes:

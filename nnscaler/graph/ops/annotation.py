@@ -56,7 +56,14 @@ class OpAnno:
 
     def flag_of(self, ident: str) -> str:
         """The flag an identifier carries anywhere in the annotation ('^' wins over '+' over '')."""
-        flags = {f for t in self.inputs + self.outputs if t.dims for d in t.dims for i, f in zip(d.ids, d.flags) if i == ident}
+        flags = {
+            f
+            for t in self.inputs + self.outputs
+            if t.dims
+            for d in t.dims
+            for i, f in zip(d.ids, d.flags)
+            if i == ident
+        }
         if ident.isdigit() or "^" in flags:
             return "^"
         return "+" if "+" in flags else ""

@@ -48,7 +48,9 @@ def _learn(t: TensorAnno, shape: Shape, sizes: dict[str, int], where: str) -> No
     if t.dims is None:
         return
     if len(t.dims) != len(shape):
-        raise AnnotationError(f"{where} '{t}' has {len(t.dims)} dims but the traced tensor has shape {list(shape)}")
+        raise AnnotationError(
+            f"{where} '{t}' has {len(t.dims)} dims but the traced tensor has shape {list(shape)}"
+        )
     for d, size in zip(t.dims, shape):
         known = 1
         unknown = []
@@ -94,9 +96,13 @@ def bind_annotation(
 ) -> BoundAnno:
     """Expand and size `anno` from the inputs; check the outputs it implies against the traced ones."""
     if len(anno.inputs) != len(in_shapes):
-        raise AnnotationError(f"annotation '{anno}' has {len(anno.inputs)} inputs, the op has {len(in_shapes)} tensors")
+        raise AnnotationError(
+            f"annotation '{anno}' has {len(anno.inputs)} inputs, the op has {len(in_shapes)} tensors"
+        )
     if len(anno.outputs) != len(out_shapes):
-        raise AnnotationError(f"annotation '{anno}' has {len(anno.outputs)} outputs, the op has {len(out_shapes)}")
+        raise AnnotationError(
+            f"annotation '{anno}' has {len(anno.outputs)} outputs, the op has {len(out_shapes)}"
+        )
     star: int | None = None
     inputs, outputs = [], []
     for t, s in zip(anno.inputs, in_shapes):

@@ -4,5 +4,9 @@ from __future__ import annotations
 
 from nnscaler.graph.ops.registry import Special, fixed
 
-fixed("aten.embedding.default", "embedding", "v+ d, * -> * d",
-      specials={"v": Special("vocab_parallel_embedding")})
+fixed(
+    "aten.embedding.default",
+    "embedding",
+    "v+ d, * -> * d",
+    specials={"v": Special("vocab_parallel_embedding")},
+)

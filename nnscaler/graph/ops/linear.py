@@ -31,8 +31,13 @@ def matmul(call: OpCall) -> str:
         return "* m k+, k+ n -> * m n"
     out = call.outputs[0].shape
     batch = letters(len(out) - 2, 4)
+
     def side(shape, tail):
         offset = len(out) - len(shape)
-        ids = [("1" if shape[i] == 1 and out[i + offset] != 1 else batch[i + offset]) for i in range(len(shape) - 2)]
+        ids = [
+            ("1" if shape[i] == 1 and out[i + offset] != 1 else batch[i + offset])
+            for i in range(len(shape) - 2)
+        ]
         return " ".join(ids + tail)
+
     return f"{side(a, ['m', 'k+'])}, {side(b, ['k+', 'n'])} -> {' '.join(batch + ['m', 'n'])}"

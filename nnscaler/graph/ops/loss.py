@@ -8,10 +8,14 @@ from nnscaler.graph.ops.registry import OpCall, Special, rule
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
-@rule("aten.cross_entropy_loss.default", "loss", specials={
-    "n": Special("batch_parallel_cross_entropy"),
-    "c": Special("vocab_parallel_cross_entropy", output="replicate"),
-})
+@rule(
+    "aten.cross_entropy_loss.default",
+    "loss",
+    specials={
+        "n": Special("batch_parallel_cross_entropy"),
+        "c": Special("vocab_parallel_cross_entropy", output="replicate"),
+    },
+)
 def cross_entropy(call: OpCall) -> str:
     x, t = call.inputs[0].shape, call.inputs[1].shape
     reduction = _REDUCTIONS[call.arg(3, "reduction", 1)]

@@ -31,7 +31,19 @@ def mean(call: OpCall) -> str:
     return _reduce(call, "+")
 
 
-@rule(["aten.amax.default", "aten.amin.default", "aten.var.correction", "aten.std.correction",
-       "aten.any.dim", "aten.all.dim", "aten.argmax.default", "aten.argmin.default", "aten.prod.dim_int"], "reduce")
+@rule(
+    [
+        "aten.amax.default",
+        "aten.amin.default",
+        "aten.var.correction",
+        "aten.std.correction",
+        "aten.any.dim",
+        "aten.all.dim",
+        "aten.argmax.default",
+        "aten.argmin.default",
+        "aten.prod.dim_int",
+    ],
+    "reduce",
+)
 def non_additive(call: OpCall) -> str:
     return _reduce(call, "^")

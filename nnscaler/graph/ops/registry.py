@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from nnscaler.graph.ir import Graph, Node, TensorMeta, iter_refs
 
-__all__ = ["OpCall", "Special", "OpRule", "register_rule", "get_rule", "all_rules", "op_call", "rule", "fixed"]
+__all__ = [
+    "OpCall",
+    "Special",
+    "OpRule",
+    "register_rule",
+    "get_rule",
+    "all_rules",
+    "op_call",
+    "rule",
+    "fixed",
+]
 
 
 @dataclass(frozen=True)

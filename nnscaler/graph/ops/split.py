@@ -107,6 +107,10 @@ def layouts_for(bound: BoundAnno, rule, ident: str | None, ways: int, blocks: in
 def is_bias_split(bound: BoundAnno, rule, ident: str | None, ways: int) -> bool:
     """True when the op is split on its reduction dim and has a bias to add after the reduction."""
     return (
-        ident is not None and ways > 1 and rule is not None and rule.bias_input is not None
-        and rule.bias_input < len(bound.anno.inputs) and bound.anno.flag_of(ident) == "+"
+        ident is not None
+        and ways > 1
+        and rule is not None
+        and rule.bias_input is not None
+        and rule.bias_input < len(bound.anno.inputs)
+        and bound.anno.flag_of(ident) == "+"
     )

@@ -39,9 +39,23 @@ def _groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int],
     return groups
 
 
-@rule(["aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.flatten.using_ints",
-       "aten.unflatten.int", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default",
-       "aten.unsqueeze.default", "aten.view_as.default", "aten.reshape_as.default"], "view", shape_args=True)
+@rule(
+    [
+        "aten.view.default",
+        "aten.reshape.default",
+        "aten._unsafe_view.default",
+        "aten.flatten.using_ints",
+        "aten.unflatten.int",
+        "aten.squeeze.dim",
+        "aten.squeeze.dims",
+        "aten.squeeze.default",
+        "aten.unsqueeze.default",
+        "aten.view_as.default",
+        "aten.reshape_as.default",
+    ],
+    "view",
+    shape_args=True,
+)
 def reshape(call: OpCall) -> tuple[str, dict[str, int]]:
     src, dst = call.inputs[0].shape, call.outputs[0].shape
     groups = _groups(src, dst)
@@ -50,8 +64,10 @@ def reshape(call: OpCall) -> tuple[str, dict[str, int]]:
     sizes: dict[str, int] = {}
     if groups is None:  # no factorisation: nothing splits
         ids = letters(len(src) + len(dst))
-        return (" ".join(x + "^" for x in ids[: len(src)]) + " -> " + " ".join(x + "^" for x in ids[len(src) :]),
-                dict(zip(ids, list(src) + list(dst))))
+        return (
+            " ".join(x + "^" for x in ids[: len(src)]) + " -> " + " ".join(x + "^" for x in ids[len(src) :]),
+            dict(zip(ids, list(src) + list(dst))),
+        )
     names = iter(letters(len(src) + len(dst) + 2))
     for gi, gj in groups:
         if not gi or not gj:
@@ -61,7 +77,9 @@ def reshape(call: OpCall) -> tuple[str, dict[str, int]]:
                 out_ids[j] = "1"
             continue
         if len(gi) == 1 or len(gj) == 1:
-            fine, coarse, fine_idx, coarse_idx, fine_ids = (gj, gi, dst, src, out_ids) if len(gi) == 1 else (gi, gj, src, dst, in_ids)
+            fine, coarse, fine_idx, coarse_idx, fine_ids = (
+                (gj, gi, dst, src, out_ids) if len(gi) == 1 else (gi, gj, src, dst, in_ids)
+            )
             subs = [next(names) for _ in fine]
             for k, d in zip(subs, fine):
                 sizes[k] = fine_idx[d]
@@ -123,10 +141,16 @@ def split(call: OpCall) -> str:
     dim = call.arg(2, "dim", 0) if call.node.op != "aten.unbind.int" else call.arg(1, "dim", 0)
     dim %= len(shape)
     outs = [m.shape for m in call.outputs]
-    if call.node.op == "aten.unbind.int" or len({o[dim] for o in outs}) != 1 or outs[0][dim] * len(outs) != shape[dim]:
+    if (
+        call.node.op == "aten.unbind.int"
+        or len({o[dim] for o in outs}) != 1
+        or outs[0][dim] * len(outs) != shape[dim]
+    ):
         ids = letters(len(shape))
         in_ids = [x + ("^" if i == dim else "") for i, x in enumerate(ids)]
-        outs_text = [" ".join(x + ("^" if i == dim else "") for i, x in enumerate(letters(len(o), 20))) for o in outs]
+        outs_text = [
+            " ".join(x + ("^" if i == dim else "") for i, x in enumerate(letters(len(o), 20))) for o in outs
+        ]
         return " ".join(in_ids) + " -> " + ", ".join(outs_text)
     return _block_dim(call, dim, len(outs))
 
@@ -167,7 +191,7 @@ def cat(call: OpCall) -> str:
     dim = call.arg(1, "dim", 0) % len(out)
     ids = letters(len(out))
     texts = []
-    for k, m in enumerate(call.inputs):
+    for k in range(len(call.inputs)):
         if call.node.op == "aten.stack.default":
             in_ids = [x for i, x in enumerate(ids) if i != dim]
         else:
@@ -177,13 +201,31 @@ def cat(call: OpCall) -> str:
     return ", ".join(texts) + " -> " + " ".join(out_ids)
 
 
-@rule(["aten.index.Tensor", "aten.gather.default", "aten.index_select.default", "aten.diff.default",
-       "aten.pad.default", "aten.constant_pad_nd.default", "aten.roll.default", "aten.flip.default",
-       "aten.repeat.default", "aten.repeat_interleave.self_int", "aten.scatter.src", "aten.scatter_add.default",
-       "aten.nonzero.default", "aten.topk.default", "aten.sort.default"], "view")
+@rule(
+    [
+        "aten.index.Tensor",
+        "aten.gather.default",
+        "aten.index_select.default",
+        "aten.diff.default",
+        "aten.pad.default",
+        "aten.constant_pad_nd.default",
+        "aten.roll.default",
+        "aten.flip.default",
+        "aten.repeat.default",
+        "aten.repeat_interleave.self_int",
+        "aten.scatter.src",
+        "aten.scatter_add.default",
+        "aten.nonzero.default",
+        "aten.topk.default",
+        "aten.sort.default",
+    ],
+    "view",
+)
 def whole(call: OpCall) -> str:
     """Ops whose indexing ties all dims together: computed whole (replicated)."""
     ins = [" ".join(x + "^" for x in letters(len(m.shape), 10 * k)) for k, m in enumerate(call.inputs)]
-    outs = [" ".join(x + "^" for x in letters(len(m.shape), 10 * (k + len(call.inputs)))) if m else "?"
-            for k, m in enumerate(call.outputs)]
+    outs = [
+        " ".join(x + "^" for x in letters(len(m.shape), 10 * (k + len(call.inputs)))) if m else "?"
+        for k, m in enumerate(call.outputs)
+    ]
     return ", ".join(ins) + " -> " + ", ".join(outs)
