@@ -64,9 +64,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _child(
-    rank: int, world_size: int, workdir: str, fn: Callable[..., Any], args: tuple[Any, ...]
-) -> None:
+def _child(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     wd = Path(workdir)
     os.environ.update(
         RANK=str(rank),
@@ -83,14 +81,14 @@ def _child(
     try:
         store = dist.FileStore(str(wd / "filestore"), world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
+        data = pickle.dumps(fn(rank, world_size, *args))
     except BaseException:
         # Written before the process group goes away with this process: the peers fail only after
         # that, so the file times put the cause first.
         _write_atomically(_error_path(wd, rank), traceback.format_exc().encode())
         raise SystemExit(1) from None
     dist.destroy_process_group()
-    _write_atomically(_result_path(wd, rank), pickle.dumps(result))
+    _write_atomically(_result_path(wd, rank), data)
 
 
 def spawn(
@@ -138,9 +136,15 @@ def spawn(
         if err.exists():
             text = err.read_text()
             last = text.strip().splitlines()[-1] if text.strip() else "?"
-            problems.append((err.stat().st_mtime, f"rank {rank} raised {last}", f"--- rank {rank} raised:\n{text}"))
+            problems.append(
+                (err.stat().st_mtime, f"rank {rank} raised {last}", f"--- rank {rank} raised:\n{text}")
+            )
         elif rank in stopped:
-            why = f"did not finish within {timeout:.0f} s" if timed_out else "was stopped after another rank failed"
+            why = (
+                f"did not finish within {timeout:.0f} s"
+                if timed_out
+                else "was stopped after another rank failed"
+            )
             headline = f"rank {rank} {why} (still running; likely waiting in a collective)"
             story = f"--- {headline}"
             stack = _stack_path(workdir, rank)

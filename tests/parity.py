@@ -102,9 +102,7 @@ def train_parallel(
 
     model, make_batch = zoo.build(model_name, seed=SEED)
     dummy = make_batch(DUMMY_SEED, batch_size)
-    pm = parallelize(
-        model, dummy, policy, ComputeConfig(plan_ngpus, world_size), gen_savedir=gen_savedir
-    )
+    pm = parallelize(model, dummy, policy, ComputeConfig(plan_ngpus, world_size), gen_savedir=gen_savedir)
     opt_cls, opt_kwargs = _make_optimizer(optimizer, optimizer_kwargs or {})
     opt = build_optimizer(pm, opt_cls, **opt_kwargs)
 
@@ -211,7 +209,9 @@ def compare(
 
     # 3. merged parameters == reference parameters, by original name
     merged = next(r["merged"] for r in results if r["rank"] == 0)
-    assert isinstance(merged, dict), f"{label}: merge_state_dicts returned {type(merged).__name__}, not a dict"
+    assert isinstance(merged, dict), (
+        f"{label}: merge_state_dicts returned {type(merged).__name__}, not a dict"
+    )
     ref_state = ref_model.state_dict()
     expected = dict(ref_model.named_parameters())
     missing = [name for name in expected if name not in merged]
@@ -219,7 +219,9 @@ def compare(
         f"{label}: merged state dict lacks parameters {missing}; it has {sorted(k for k in merged)}"
     )
     # tied aliases (e.g. lm_head.weight) and buffers are checked too when the merge provides them
-    names = list(expected) + [n for n in ref_state if n not in expected and isinstance(merged.get(n), torch.Tensor)]
+    names = list(expected) + [
+        n for n in ref_state if n not in expected and isinstance(merged.get(n), torch.Tensor)
+    ]
     mismatched = []
     for name in names:
         got, want = merged[name], ref_state[name]

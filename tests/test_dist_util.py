@@ -38,7 +38,9 @@ def test_spawn_returns_results_by_rank(world_size: int, tmp_path) -> None:
 
 def test_spawn_surfaces_child_traceback(tmp_path) -> None:
     start = time.monotonic()
-    with pytest.raises(SpawnError, match="first: rank 1 raised ValueError: rank 1 is broken on purpose") as info:
+    with pytest.raises(
+        SpawnError, match="first: rank 1 raised ValueError: rank 1 is broken on purpose"
+    ) as info:
         spawn(_fail_on_rank1, 2, tmp_path, timeout=120)
     assert "Traceback" in str(info.value) and "_fail_on_rank1" in str(info.value)
     assert time.monotonic() - start < 60, "a failed rank must not make the others wait for the timeout"

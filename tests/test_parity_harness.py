@@ -33,10 +33,12 @@ def test_compare_names_a_differing_parameter(reference) -> None:
     losses, model = reference
     results = _fake_results(losses, model, 2, 4)
     results[0]["merged"] = dict(results[0]["merged"])
-    results[0]["merged"]["transformer.h.1.mlp.c_fc.weight"] = results[0]["merged"][
-        "transformer.h.1.mlp.c_fc.weight"
-    ] + 1e-3
-    with pytest.raises(AssertionError, match=r"(?s)1 of \d+ parameters differ.*transformer\.h\.1\.mlp\.c_fc\.weight"):
+    results[0]["merged"]["transformer.h.1.mlp.c_fc.weight"] = (
+        results[0]["merged"]["transformer.h.1.mlp.c_fc.weight"] + 1e-3
+    )
+    with pytest.raises(
+        AssertionError, match=r"(?s)1 of \d+ parameters differ.*transformer\.h\.1\.mlp\.c_fc\.weight"
+    ):
         compare(results, losses, model, rtol=1e-5, atol=1e-5)
 
 
