@@ -169,12 +169,118 @@ def build_llama3_8b_meta(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
     return model, _token_batch(config.vocab_size, 1024, "input_ids", "labels", shift=False)
 
 
+def _tiny_decoder(config_cls, model_cls, seed: int, **extra: Any) -> tuple[nn.Module, MakeBatch]:
+    config = config_cls(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        **extra,
+    )
+    _settle(config)
+    torch.manual_seed(seed)
+    model = _settle_model(model_cls(config))
+    return model, _token_batch(config.vocab_size, 16, "input_ids", "labels", shift=False)
+
+
+def build_mistral(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _tiny_decoder(MistralConfig, MistralForCausalLM, seed, sliding_window=None)
+
+
+def build_mixtral(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
+    """Mixture of experts: 4 experts, top-2 routing, grouped expert matmuls."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return _tiny_decoder(MixtralConfig, MixtralForCausalLM, seed, num_local_experts=4, num_experts_per_tok=2,
+                         sliding_window=None, router_jitter_noise=0.0)
+
+
+def build_bert(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
+    """Masked LM with tied input/output embeddings; labels are -100 except at masked positions."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = BertForMaskedLM(config).float().train()
+
+    def make_batch(seed: int, batch_size: int) -> Batch:
+        g = _generator(seed)
+        ids = torch.randint(0, config.vocab_size, (batch_size, 16), generator=g)
+        masked = torch.rand(batch_size, 16, generator=g) < 0.3
+        masked[:, 0] = True  # at least one label per row
+        labels = torch.where(masked, ids, torch.full_like(ids, -100))
+        return {"input_ids": torch.where(masked, torch.full_like(ids, 3), ids), "labels": labels}
+
+    return model, make_batch
+
+
+def build_vit(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, intermediate_size=128, num_labels=10, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = ViTForImageClassification(config).float().train()
+
+    def make_batch(seed: int, batch_size: int) -> Batch:
+        g = _generator(seed)
+        return {"pixel_values": torch.randn(batch_size, 3, 32, 32, generator=g),
+                "labels": torch.randint(0, 10, (batch_size,), generator=g)}
+
+    return model, make_batch
+
+
+class CNN(nn.Module):
+    """conv -> batch norm -> relu -> max pool -> conv -> relu -> global average pool -> linear."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.head = nn.Linear(32, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        h = F.adaptive_avg_pool2d(F.relu(self.conv2(h)), 1).flatten(1)
+        return F.cross_entropy(self.head(h), y)
+
+
+def build_cnn(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
+    torch.manual_seed(seed)
+    model = CNN()
+
+    def make_batch(seed: int, batch_size: int) -> Batch:
+        g = _generator(seed)
+        return {"x": torch.randn(batch_size, 3, 16, 16, generator=g), "y": torch.randint(0, 10, (batch_size,), generator=g)}
+
+    return model.train(), make_batch
+
+
 MODELS: dict[str, Callable[[int], tuple[nn.Module, MakeBatch]]] = {
     "mlp": build_mlp,
     "gpt": build_gpt,
     "llama": build_llama,
     "gpt2": build_gpt2,
     "meta": build_llama3_8b_meta,
+    "mistral": build_mistral,
+    "mixtral": build_mixtral,
+    "bert": build_bert,
+    "vit": build_vit,
+    "cnn": build_cnn,
 }
 """Builders by name; each takes a seed and returns (model, make_batch)."""
 

@@ -168,6 +168,7 @@ class _Converter:
         if op in _DROPPED_OPS:
             return
         args, kwargs = self._arg(fx_node.args), self._arg(fx_node.kwargs)
+        op, mutated = self._functionalize(target, op, args)
         val = fx_node.meta.get("val")
         source = _source_of(fx_node)
         mpath, mcls = _module_of(fx_node)
@@ -190,6 +191,11 @@ class _Converter:
             self.graph.values[node_name] = Value(node_name, _meta_of(val), "activation", node_name)
             outputs.append(node_name)
             self.env[fx_node.name] = Ref(node_name)
+        if mutated is not None and outputs:
+            # later readers of the mutated activation read the functional result instead
+            for key, item in list(self.env.items()):
+                if item == mutated:
+                    self.env[key] = Ref(outputs[0])
         self.graph.nodes.append(
             Node(
                 node_name,
@@ -204,6 +210,28 @@ class _Converter:
                 isinstance(val, (list, tuple)),
             )
         )
+
+    def _functionalize(self, target: Any, op: str, args: Any) -> tuple[str, Ref | None]:
+        """An in-place aten op on an activation becomes its out-of-place twin (x.div_(y) -> x / y).
+
+        In-place updates of parameters, buffers and inputs stay as they are (e.g. BatchNorm's
+        num_batches_tracked): they run on every device alike. Views taken of the activation before
+        the update would not see it; torch.export's training IR rarely produces that pattern.
+        """
+        if not isinstance(target, torch._ops.OpOverload) or not args or not isinstance(args[0], Ref):
+            return op, None
+        first = target._schema.arguments[0] if target._schema.arguments else None
+        if first is None or first.alias_info is None or not first.alias_info.is_write:
+            return op, None
+        if self.graph.values[args[0].name].kind != "activation":
+            return op, None
+        packet = target._schema.name.split("::")[-1]
+        if not packet.endswith("_"):
+            return op, None
+        functional = getattr(getattr(torch.ops.aten, packet[:-1], None), target._overloadname, None)
+        if functional is None:
+            return op, None
+        return str(functional), args[0]
 
     def _inline(self, fx_node: torch.fx.Node, gm: torch.fx.GraphModule, enabled: bool) -> None:
         sub = getattr(gm, fx_node.args[1].target)

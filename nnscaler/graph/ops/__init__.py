@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from nnscaler.errors import TraceError
 from nnscaler.graph.ir import Graph, Node
-from nnscaler.graph.ops import attention, creation, elementwise, embedding, linear, loss, norm, reduce, view  # noqa: F401
+from nnscaler.graph.ops import (  # noqa: F401  (each module registers its family's rules)
+    attention, conv, creation, elementwise, embedding, linear, loss, moe, norm, reduce, view,
+)
 from nnscaler.graph.ops.annotation import AnnotationError, DimAnno, OpAnno, TensorAnno, parse_annotation
 from nnscaler.graph.ops.bind import BoundAnno, bind_annotation
 from nnscaler.graph.ops.registry import OpCall, OpRule, Special, all_rules, get_rule, op_call, register_rule

@@ -95,6 +95,9 @@ def bind_annotation(
     extra_sizes: dict[str, int] | None = None,
 ) -> BoundAnno:
     """Expand and size `anno` from the inputs; check the outputs it implies against the traced ones."""
+    if not anno.inputs and in_shapes and all(s == () for s in in_shapes):
+        # ' -> ' over 0-d tensors: an empty input list reads as one 0-d tensor per input
+        anno = OpAnno(tuple(TensorAnno(()) for _ in in_shapes), anno.outputs)
     if len(anno.inputs) != len(in_shapes):
         raise AnnotationError(
             f"annotation '{anno}' has {len(anno.inputs)} inputs, the op has {len(in_shapes)} tensors"

@@ -103,6 +103,15 @@ UNARY_AND_BINARY = [
     "aten.gelu_.default",
     "aten.relu_.default",
     "aten.silu_.default",
+    "aten.add_.Tensor",
+    "aten.sub_.Tensor",
+    "aten.mul_.Tensor",
+    "aten.div_.Tensor",
+    "aten.add_.Scalar",
+    "aten.mul_.Scalar",
+    "aten.fill_.Scalar",
+    "aten.clamp_.default",
+    "aten.masked_fill_.Scalar",
 ]
 
 
