@@ -199,17 +199,31 @@ def build_mixtral(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
     """Mixture of experts: 4 experts, top-2 routing, grouped expert matmuls."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    return _tiny_decoder(MixtralConfig, MixtralForCausalLM, seed, num_local_experts=4, num_experts_per_tok=2,
-                         sliding_window=None, router_jitter_noise=0.0)
+    return _tiny_decoder(
+        MixtralConfig,
+        MixtralForCausalLM,
+        seed,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=None,
+        router_jitter_noise=0.0,
+    )
 
 
 def build_bert(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
     """Masked LM with tied input/output embeddings; labels are -100 except at masked positions."""
     from transformers import BertConfig, BertForMaskedLM
 
-    config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = BertForMaskedLM(config).float().train()
@@ -217,8 +231,10 @@ def build_bert(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
     def make_batch(seed: int, batch_size: int) -> Batch:
         g = _generator(seed)
         ids = torch.randint(0, config.vocab_size, (batch_size, 16), generator=g)
-        masked = torch.rand(batch_size, 16, generator=g) < 0.3
-        masked[:, 0] = True  # at least one label per row
+        # the same number of masked positions in every row: data-parallel replicas average their mean
+        # losses, which equals the global token mean only when every replica counts the same tokens
+        order = torch.rand(batch_size, 16, generator=g).argsort(dim=1)
+        masked = torch.zeros(batch_size, 16, dtype=torch.bool).scatter(1, order[:, :5], True)
         labels = torch.where(masked, ids, torch.full_like(ids, -100))
         return {"input_ids": torch.where(masked, torch.full_like(ids, 3), ids), "labels": labels}
 
@@ -228,17 +244,28 @@ def build_bert(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
 def build_vit(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
     from transformers import ViTConfig, ViTForImageClassification
 
-    config = ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, intermediate_size=128, num_labels=10, hidden_dropout_prob=0.0,
-                       attention_probs_dropout_prob=0.0)
+    config = ViTConfig(
+        image_size=32,
+        patch_size=8,
+        num_channels=3,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        num_labels=10,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = ViTForImageClassification(config).float().train()
 
     def make_batch(seed: int, batch_size: int) -> Batch:
         g = _generator(seed)
-        return {"pixel_values": torch.randn(batch_size, 3, 32, 32, generator=g),
-                "labels": torch.randint(0, 10, (batch_size,), generator=g)}
+        return {
+            "pixel_values": torch.randn(batch_size, 3, 32, 32, generator=g),
+            "labels": torch.randint(0, 10, (batch_size,), generator=g),
+        }
 
     return model, make_batch
 
@@ -248,7 +275,9 @@ class CNN(nn.Module):
 
     def __init__(self, classes: int = 10):
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.conv1 = nn.Conv2d(
+            3, 16, 3, padding=1, bias=False
+        )  # batch norm follows: a bias would be redundant
         self.bn1 = nn.BatchNorm2d(16)
         self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
         self.head = nn.Linear(32, classes)
@@ -265,7 +294,10 @@ def build_cnn(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
 
     def make_batch(seed: int, batch_size: int) -> Batch:
         g = _generator(seed)
-        return {"x": torch.randn(batch_size, 3, 16, 16, generator=g), "y": torch.randint(0, 10, (batch_size,), generator=g)}
+        return {
+            "x": torch.randn(batch_size, 3, 16, 16, generator=g),
+            "y": torch.randint(0, 10, (batch_size,), generator=g),
+        }
 
     return model.train(), make_batch
 

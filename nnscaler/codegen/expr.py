@@ -20,9 +20,12 @@ _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 class Formatter:
     """Renders argument values for one rank: Refs become local names, RankScaled becomes a number."""
 
-    def __init__(self, tp_index: int, param_names: set[str]):
+    def __init__(self, tp_index: int, param_names: set[str], sync_batch_norm: bool = False):
         self.tp_index = tp_index
         self.param_names = param_names
+        self.sync_batch_norm = sync_batch_norm
+        """Batch norm statistics span the data-parallel replicas (runtime_ngpus > plan_ngpus)."""
+        self.used_sync_norm = False
 
     def __call__(self, obj: Any) -> str:
         if isinstance(obj, Ref):
@@ -207,6 +210,18 @@ def _special_ops() -> dict[str, Callable[[Statement, Formatter], str]]:
             kw["label_smoothing"] = f(_arg(s, 5, "label_smoothing"))
         return _call("F.cross_entropy", [f(s.args[0]), f(s.args[1])], kw)
 
+    def batch_norm(s, f):
+        x, w, b, rm, rv = (
+            f(_arg(s, i, n)) for i, n in enumerate(["input", "weight", "bias", "running_mean", "running_var"])
+        )
+        training, momentum, eps = (
+            f(_arg(s, i, n)) for i, n in [(5, "training"), (6, "momentum"), (7, "eps")]
+        )
+        if f.sync_batch_norm and _arg(s, 5, "training"):
+            f.used_sync_norm = True
+            return _call("sync_norm.sync_batch_norm", [x, w, b, rm, rv, training, momentum, eps, "dp"], {})
+        return _call("F.batch_norm", [x, rm, rv, w, b, training, momentum, eps], {})
+
     def to(s, f):
         args = [f(a) for a in s.args[1:]]
         kw = _tensor_kwargs(s, f, skip=("layout", "pin_memory", "device"))
@@ -225,6 +240,7 @@ def _special_ops() -> dict[str, Callable[[Statement, Formatter], str]]:
 
     return {
         "aten.embedding.default": embedding,
+        "aten.batch_norm.default": batch_norm,
         "aten.layer_norm.default": layer_norm,
         "aten.scaled_dot_product_attention.default": sdpa,
         "aten.cross_entropy_loss.default": cross_entropy,

@@ -46,6 +46,7 @@ class ModuleView:
     sections: list[Section]
     return_code: str
     out_spec_json: str | None
+    uses_sync_norm: bool = False
 
 
 def _section_of(path: str) -> str:
@@ -108,7 +109,7 @@ def build_module_view(
         f"groups: tensor-parallel {tp_group}; data-parallel {dp_group}",
     ]
     param_names = {t.name for t in program.tensors}
-    fmt = Formatter(tp_index, param_names)
+    fmt = Formatter(tp_index, param_names, sync_batch_norm=cfg.runtime_ngpus > cfg.plan_ngpus)
     shards = []
     for t in program.tensors:
         kind = "" if t.is_param else ", is_param=False" + ("" if t.persistent else ", persistent=False")
@@ -149,7 +150,17 @@ def build_module_view(
     )
     signature = ", ".join(["self"] + program.forward_args)
     return ModuleView(
-        header, imports, rank, init_call, shards, aliases, signature, sections, return_code, spec_json
+        header,
+        imports,
+        rank,
+        init_call,
+        shards,
+        aliases,
+        signature,
+        sections,
+        return_code,
+        spec_json,
+        fmt.used_sync_norm,
     )
 
 

@@ -9,8 +9,8 @@ from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
 from nnscaler.graph.ops import annotate_node, get_rule, layouts_for
 from nnscaler.policies.builtin import pas_data, pas_dp
-from nnscaler.policies.tp import pas_tp
 from nnscaler.policies.plan import REPLICATE, NodePlan, Plan
+from nnscaler.policies.tp import pas_tp
 
 __all__ = [
     "NodePlan",

@@ -11,6 +11,7 @@ from nnscaler.policies.propagate import PropagationState, propagate
 
 __all__ = ["pas_dp", "pas_data"]
 
+
 def _notes(plans: dict[str, NodePlan]) -> tuple[str, ...]:
     return tuple(f"{name}: {p.note}" for name, p in plans.items() if p.note)
 

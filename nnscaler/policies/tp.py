@@ -82,9 +82,10 @@ class _Lookahead:
                 if node.op in _WEIGHTED or node.op == "aten.cross_entropy_loss.default":
                     return True
                 rule = get_rule(node.op)
-                passes = rule is not None and node.op not in _STOP_OPS and (
-                    rule.family in _PASS_FAMILIES
-                    or rule.annotate.__name__ in _PASS_VIEW_RULES
+                passes = (
+                    rule is not None
+                    and node.op not in _STOP_OPS
+                    and (rule.family in _PASS_FAMILIES or rule.annotate.__name__ in _PASS_VIEW_RULES)
                 )
                 if passes:
                     frontier.extend(node.outputs)

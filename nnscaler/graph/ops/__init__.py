@@ -5,7 +5,17 @@ from __future__ import annotations
 from nnscaler.errors import TraceError
 from nnscaler.graph.ir import Graph, Node
 from nnscaler.graph.ops import (  # noqa: F401  (each module registers its family's rules)
-    attention, conv, creation, elementwise, embedding, linear, loss, moe, norm, reduce, view,
+    attention,
+    conv,
+    creation,
+    elementwise,
+    embedding,
+    linear,
+    loss,
+    moe,
+    norm,
+    reduce,
+    view,
 )
 from nnscaler.graph.ops.annotation import AnnotationError, DimAnno, OpAnno, TensorAnno, parse_annotation
 from nnscaler.graph.ops.bind import BoundAnno, bind_annotation

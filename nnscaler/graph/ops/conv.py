@@ -11,8 +11,17 @@ def _spatial(prefix: str, n: int) -> list[str]:
     return [f"{prefix}{i}^" for i in range(n)]
 
 
-@rule(["aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.conv1d.padding",
-       "aten.conv2d.padding", "aten.conv3d.padding"], "conv")
+@rule(
+    [
+        "aten.conv1d.default",
+        "aten.conv2d.default",
+        "aten.conv3d.default",
+        "aten.conv1d.padding",
+        "aten.conv2d.padding",
+        "aten.conv3d.padding",
+    ],
+    "conv",
+)
 def conv(call: OpCall) -> str:
     x, w = call.inputs[0].shape, call.inputs[1].shape
     nsp = len(w) - 2
@@ -29,10 +38,21 @@ def conv(call: OpCall) -> str:
     return ", ".join(ins) + f" -> {n}{o} " + " ".join(_spatial("s", nsp))
 
 
-@rule(["aten.max_pool1d.default", "aten.max_pool2d.default", "aten.max_pool3d.default",
-       "aten.avg_pool1d.default", "aten.avg_pool2d.default", "aten.avg_pool3d.default",
-       "aten.adaptive_avg_pool1d.default", "aten.adaptive_avg_pool2d.default",
-       "aten.adaptive_avg_pool3d.default", "aten.adaptive_max_pool2d.default"], "conv")
+@rule(
+    [
+        "aten.max_pool1d.default",
+        "aten.max_pool2d.default",
+        "aten.max_pool3d.default",
+        "aten.avg_pool1d.default",
+        "aten.avg_pool2d.default",
+        "aten.avg_pool3d.default",
+        "aten.adaptive_avg_pool1d.default",
+        "aten.adaptive_avg_pool2d.default",
+        "aten.adaptive_avg_pool3d.default",
+        "aten.adaptive_max_pool2d.default",
+    ],
+    "conv",
+)
 def pool(call: OpCall) -> str:
     op = call.node.op
     nsp = 1 if "1d" in op else 3 if "3d" in op else 2
@@ -46,7 +66,9 @@ def pool(call: OpCall) -> str:
 def batch_norm(call: OpCall) -> str:
     """Per-channel statistics: channels split; the batch only outside training (stats span it)."""
     x = call.inputs[0].shape
-    training = bool(call.arg(5, "training" if call.node.op == "aten.batch_norm.default" else "use_input_stats", True))
+    training = bool(
+        call.arg(5, "training" if call.node.op == "aten.batch_norm.default" else "use_input_stats", True)
+    )
     n = "n^" if training or call.node.op == "aten.instance_norm.default" else "n"
     rest = _spatial("s", len(x) - 2)
     ins = [" ".join([n, "c"] + rest)]
