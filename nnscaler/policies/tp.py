@@ -79,9 +79,9 @@ class _Lookahead:
             if name in self.outputs:
                 return True
             for node in self.consumers.get(name, []):
-                if node.op in _WEIGHTED or node.op == "aten.cross_entropy_loss.default":
-                    return True
                 rule = get_rule(node.op)
+                if node.op in _WEIGHTED or (rule is not None and rule.family == "loss"):
+                    return True
                 passes = (
                     rule is not None
                     and node.op not in _STOP_OPS
