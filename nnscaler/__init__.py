@@ -2,6 +2,7 @@
 
 from nnscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
 from nnscaler.errors import CodegenError, ConfigError, PartitionError, PlanError, TraceError
+from nnscaler.graph.ops import register_op
 from nnscaler.parallel import parallelize
 from nnscaler.runtime import (
     ParallelModule,
@@ -31,6 +32,7 @@ __all__ = [
     "load_deduped_state_dict",
     "load_sharded_state_dict",
     "broadcast_weights",
+    "register_op",
     "init",
     "uninit",
     "TraceError",

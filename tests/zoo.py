@@ -302,6 +302,20 @@ def build_cnn(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
     return model.train(), make_batch
 
 
+def build_userops(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
+    """An MLP calling a torch.library custom op and a plain function registered with register_op."""
+    from tests.user_ops import UserOpMLP
+
+    torch.manual_seed(seed)
+    model = UserOpMLP()
+
+    def make_batch(seed: int, batch_size: int) -> Batch:
+        g = _generator(seed)
+        return {"x": torch.randn(batch_size, 16, generator=g), "y": torch.randn(batch_size, 8, generator=g)}
+
+    return model.train(), make_batch
+
+
 MODELS: dict[str, Callable[[int], tuple[nn.Module, MakeBatch]]] = {
     "mlp": build_mlp,
     "gpt": build_gpt,
@@ -313,6 +327,7 @@ MODELS: dict[str, Callable[[int], tuple[nn.Module, MakeBatch]]] = {
     "bert": build_bert,
     "vit": build_vit,
     "cnn": build_cnn,
+    "userops": build_userops,
 }
 """Builders by name; each takes a seed and returns (model, make_batch)."""
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from nnscaler.codegen.expr import Formatter, statement_code
 from nnscaler.config import ComputeConfig
 from nnscaler.graph.ir import Replicate, Shard, iter_refs
+from nnscaler.graph.ops import op_module
 from nnscaler.partition import Program, Statement
 
 __all__ = ["ShardLine", "CodeLine", "Section", "ModuleView", "build_module_view"]
@@ -143,7 +144,12 @@ def build_module_view(
     else:
         return_code = f"pytree.tree_unflatten([{', '.join(fmt(o) for o in program.outputs)}], _OUT_SPEC)"
         spec_json = program.out_spec
-    imports = sorted({t.rsplit(".", 1)[0] for t in _spec_types(spec) if "." in t}) if spec_json else []
+    imports = [
+        f"{m}  # registers the output type with pytree"
+        for m in sorted({t.rsplit(".", 1)[0] for t in _spec_types(spec) if "." in t} if spec_json else set())
+    ]
+    op_modules = {op_module(s.op) for s in program.statements if s.kind == "op" and not s.op.startswith("aten.")}
+    imports += [f"{m}  # registers the custom ops called below" for m in sorted(m for m in op_modules if m)]
     init_call = (
         f"super().__init__(rank={rank}, world_size={cfg.runtime_ngpus}, plan_ngpus={cfg.plan_ngpus}, "
         f'groups={{"tp": {tp_group}, "dp": {dp_group}}}, all_groups={all_groups})'

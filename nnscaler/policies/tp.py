@@ -34,7 +34,7 @@ _WEIGHTED = {
     "aten.conv3d.default": (0, 1, "c", "o"),
 }
 _CHANNEL_FIRST = {"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default"}
-_PASS_FAMILIES = {"elementwise", "attention"}
+_PASS_FAMILIES = {"elementwise", "attention", "user"}
 _PASS_VIEW_RULES = {"reshape", "expand", "permute", "split", "slice_", "cat", "pool", "batch_norm"}
 _STOP_OPS = {"aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten.cumsum.default"}
 

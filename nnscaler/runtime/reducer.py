@@ -222,7 +222,12 @@ class Reducer:
             self._in_pass = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
         if bucket.accept(i) and self.enabled:
-            bucket.launch(self.group, self.dp_size, self.scatter)
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        group = self.zero_group if self.scatter else self.group
+        assert group is not None
+        bucket.launch(group, self.dp_size, self.scatter)
 
     def _end_pass(self) -> None:
         self._in_pass = False
@@ -241,7 +246,7 @@ class Reducer:
         """
         for bucket in self.buckets:
             if not bucket.reduced or bucket.dirty:
-                bucket.launch(self.group, self.dp_size, self.scatter)
+                self._launch(bucket)
         if self.scatter and self.cross_group is not None:
             for bucket in self.buckets:
                 bucket.launch_cross(self.cross_group)

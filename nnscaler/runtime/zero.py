@@ -32,6 +32,10 @@ ZERO_SLICES_KEY = "zero_slices"
 _GROUP_KEYS = ("params", "param_names", ZERO_SLICES_KEY)
 
 
+def _per_element(value: Any, numel: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
+
+
 def _delegate(name: str) -> property:
     """An attribute of the wrapped optimizer (kept on the wrapper until the wrapped one exists)."""
 
@@ -194,9 +198,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             start, end = piece
             numel = self.params[j].numel()
             inner_state[k] = {
-                key: v.reshape(-1)[start:end]
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == numel
-                else v
+                key: v.reshape(-1)[start:end].clone() if _per_element(v, numel) else v
                 for key, v in state.items()
             }
         group = {k: v for k, v in groups[0].items() if k not in _GROUP_KEYS}

@@ -120,14 +120,13 @@ def _train_case(rank: int, plan: int, ngroups: int, scatter: bool, async_op: boo
     dd_model, dd_opt = deduped_state_dict(pm, opt)
     assert dd_opt is not None and bool(dd_opt["state"]) == (rank // plan < WORLD // plan // ngroups)
     pm4, opt4 = _fresh(rank, cfg, None)
-    load_deduped_state_dict(pm4, dd_model, opt4, dd_opt)
+    load_deduped_state_dict(pm4, dd_model, opt4, copy.deepcopy(dd_opt))  # not sharing opt's live state
     pm4.freq.copy_(ref.freq)  # a non-persistent buffer: in no state dict
     _same_state(pm4.state_dict(), sd, f"{case}: load_deduped_state_dict model")
     _same_opt(opt4.state_dict(), opt_sd, f"{case}: load_deduped_state_dict optimizer")
     for module, optim in [(pm, opt), (pm2, opt2), (pm4, opt4)]:
         module(x[rows], t[rows]).backward()
         optim.step()
-        print("DBG", rank, module.scale.detach()[:3], module.freq[:3], module.offset[:3], flush=True)
     _same_state(pm2.state_dict(), pm.state_dict(), f"{case}: training after load_merged_state_dict")
     _same_state(pm4.state_dict(), pm.state_dict(), f"{case}: training after load_deduped_state_dict")
 

@@ -19,10 +19,13 @@ from nnscaler.graph.ops import (  # noqa: F401  (each module registers its famil
 )
 from nnscaler.graph.ops.annotation import AnnotationError, DimAnno, OpAnno, TensorAnno, parse_annotation
 from nnscaler.graph.ops.bind import BoundAnno, bind_annotation
+from nnscaler.graph.ops.custom import op_module, register_op
 from nnscaler.graph.ops.registry import OpCall, OpRule, Special, all_rules, get_rule, op_call, register_rule
 from nnscaler.graph.ops.split import SplitLayouts, is_bias_split, layouts_for, split_candidates, split_layouts
 
 __all__ = [
+    "register_op",
+    "op_module",
     "AnnotationError",
     "DimAnno",
     "OpAnno",

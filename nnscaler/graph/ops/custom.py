@@ -1,0 +1,103 @@
+"""register_op: let a user op (a torch.library custom op or a plain function) trace as one node,
+split per its annotation, and be called by name in the generated code."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nnscaler.graph.ops.annotation import parse_annotation
+from nnscaler.graph.ops.registry import OpRule, register_rule
+
+__all__ = ["register_op", "op_module"]
+
+_NAMESPACE = "nnscaler_user"
+_MODULES: dict[str, str] = {}  # op name ('ns.name.overload') -> module to import in generated code
+
+
+def op_module(op: str) -> str | None:
+    """The Python module that registers a non-aten op (imported by generated code), if known."""
+    if op in _MODULES:
+        return _MODULES[op]
+    from torch._library.custom_ops import OPDEFS
+
+    qualname = "::".join(op.rsplit(".", 1)[0].split(".", 1))
+    opdef = OPDEFS.get(qualname)
+    return getattr(getattr(opdef, "_init_fn", None), "__module__", None) if opdef else None
+
+
+def _op_name(op: Any) -> str | None:
+    """'ns.name.overload' for a custom op object, None for a plain function."""
+    if isinstance(op, torch._ops.OpOverload):
+        return str(op)
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return f"{op._qualified_op_name.replace('::', '.')}.default"
+    qualname = getattr(op, "_qualname", None)  # torch.library.custom_op's CustomOpDef
+    if isinstance(qualname, str) and "::" in qualname:
+        return f"{qualname.replace('::', '.')}.default"
+    return None
+
+
+def _wrap_function(fn: Callable, name: str) -> Any:
+    """Make a plain function a custom op: one node in the trace, autograd through torch.func.vjp."""
+    if fn.__module__ == "__main__":
+        raise ValueError(
+            f"register_op: {fn.__qualname__} is defined in __main__; generated code must import it, so "
+            "define it in an importable module"
+        )
+    op = torch.library.custom_op(f"{_NAMESPACE}::{name}", mutates_args=())(fn)
+    op.register_fake(fn)
+
+    def setup_context(ctx, inputs, output):
+        ctx.inputs = inputs
+
+    def backward(ctx, *grads):
+        tensors = [i for i in ctx.inputs if isinstance(i, torch.Tensor)]
+        positions = [k for k, i in enumerate(ctx.inputs) if isinstance(i, torch.Tensor)]
+
+        def call(*ts):
+            args = list(ctx.inputs)
+            for k, t in zip(positions, ts):
+                args[k] = t
+            return fn(*args)
+
+        with torch.enable_grad():
+            _, vjp = torch.func.vjp(call, *[t.detach() for t in tensors])
+            got = vjp(grads[0] if len(grads) == 1 else grads)
+        out: list[Any] = [None] * len(ctx.inputs)
+        for k, g in zip(positions, got):
+            out[k] = g
+        return tuple(out)
+
+    op.register_autograd(backward, setup_context=setup_context)
+    return op
+
+
+def register_op(annotation: str, name: str | None = None, *, family: str = "user") -> Callable:
+    """Register `annotation` (e.g. '* h, * h -> * h') for a user op; usable as a decorator.
+
+    Given a torch.library custom op, its rule is registered under the op's name. Given a plain
+    function (with type hints, in an importable module), it is first made into the custom op
+    `torch.ops.nnscaler_user.<name>`, whose backward differentiates the function; the returned
+    object is that op, callable like the function.
+    """
+    parse_annotation(annotation)  # fail early on a malformed annotation
+
+    def decorate(op: Any) -> Any:
+        op_name = _op_name(op)
+        target = op
+        module = getattr(op, "__module__", None)
+        if op_name is None:
+            if not callable(op):
+                raise TypeError(f"register_op expects a custom op or a function, got {type(op).__name__}")
+            module = op.__module__
+            target = _wrap_function(op, name or op.__name__)
+            op_name = f"{_NAMESPACE}.{name or op.__name__}.default"
+        register_rule(OpRule(op_name, lambda call, _t=annotation: _t, family))
+        if module and module != "__main__" and not module.startswith("torch"):
+            _MODULES[op_name] = module
+        return target
+
+    return decorate
