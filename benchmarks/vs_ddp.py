@@ -52,7 +52,7 @@ def worker(rank: int, world: int, tmp: str, args: argparse.Namespace) -> None:
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            losses.setdefault(name, float(loss))
+            losses.setdefault(name, loss.item())
 
         return step
 

@@ -288,7 +288,11 @@ def statement_code(s: Statement, f: Formatter) -> str:
     if s.kind == "op":
         rhs = op_expression(s, f)
     elif s.kind in ("comm", "special"):
-        rhs = _call(f"comm.{s.op}", [f(a) for a in s.args], {k: f(v) for k, v in s.kwargs.items()})
+        rhs = _call(
+            s.op if "." in s.op else f"comm.{s.op}",
+            [f(a) for a in s.args],
+            {k: f(v) for k, v in s.kwargs.items()},
+        )
     elif s.kind == "scale":
         rhs = f"{f(s.args[0])} / {f(s.args[1])}"
     elif s.kind == "bias":

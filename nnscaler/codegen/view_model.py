@@ -48,6 +48,7 @@ class ModuleView:
     return_code: str
     out_spec_json: str | None
     uses_sync_norm: bool = False
+    uses_rng: bool = False
 
 
 def _section_of(path: str) -> str:
@@ -148,7 +149,9 @@ def build_module_view(
         f"{m}  # registers the output type with pytree"
         for m in sorted({t.rsplit(".", 1)[0] for t in _spec_types(spec) if "." in t} if spec_json else set())
     ]
-    op_modules = {op_module(s.op) for s in program.statements if s.kind == "op" and not s.op.startswith("aten.")}
+    op_modules = {
+        op_module(s.op) for s in program.statements if s.kind == "op" and not s.op.startswith("aten.")
+    }
     imports += [f"{m}  # registers the custom ops called below" for m in sorted(m for m in op_modules if m)]
     init_call = (
         f"super().__init__(rank={rank}, world_size={cfg.runtime_ngpus}, plan_ngpus={cfg.plan_ngpus}, "
@@ -167,6 +170,7 @@ def build_module_view(
         return_code,
         spec_json,
         fmt.used_sync_norm,
+        any(s.op.startswith("rng.") for s in program.statements),
     )
 
 

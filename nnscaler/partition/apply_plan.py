@@ -210,7 +210,20 @@ class _Partitioner:
             self._emit(Statement("op", node.op, tuple(args), kwargs, list(node.outputs), **common, **multi))
             return
         special = rule.specials.get(np.split) if rule else None
-        if special is not None:
+        if node.op == "aten.dropout.default":
+            # a sharded activation: each shard needs its own mask (see nnscaler.runtime.rng)
+            p, train = args[1], args[2]
+            self._emit(
+                Statement(
+                    "special",
+                    "rng.sharded_dropout",
+                    (args[0], p, train, GROUP),
+                    {},
+                    list(node.outputs),
+                    **common,
+                )
+            )
+        elif special is not None:
             self._special(node, special.emit, bound, np, args, kwargs, common)
         elif bias_split:
             self._bias_split(node, rule.bias_input, args, kwargs, common)

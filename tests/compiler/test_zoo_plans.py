@@ -60,8 +60,12 @@ def test_tp_splits_at_least_90_percent_of_matmul_flops(graphs, name):
     assert split / total >= 0.9, f"{name}: only {split / total:.1%} of linear/matmul FLOPs split"
 
 
-BLOCKS = {"mistral": "model.layers.1", "mixtral": "model.layers.1", "bert": "bert.encoder.layer.1",
-          "vit": "vit.layers.1"}
+BLOCKS = {
+    "mistral": "model.layers.1",
+    "mixtral": "model.layers.1",
+    "bert": "bert.encoder.layer.1",
+    "vit": "vit.layers.1",
+}
 
 
 @pytest.mark.parametrize("name", sorted(BLOCKS))
@@ -70,8 +74,11 @@ def test_collectives_per_block_are_megatron_style(graphs, name):
     graph = graphs[name]
     program = apply_plan(graph, make_plan(graph, "tp", ComputeConfig(2, 2)))
     block = BLOCKS[name]
-    comms = Counter(s.op for s in program.statements
-                    if s.kind == "comm" and (s.module_path == block or s.module_path.startswith(block + ".")))
+    comms = Counter(
+        s.op
+        for s in program.statements
+        if s.kind == "comm" and (s.module_path == block or s.module_path.startswith(block + "."))
+    )
     assert comms == Counter({"reduce_from_group": 2, "copy_to_group": 2}), comms
 
 

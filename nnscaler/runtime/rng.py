@@ -1,0 +1,41 @@
+"""Random numbers under tensor parallelism.
+
+Dropout on a replicated activation runs as plain F.dropout: every rank of a tensor-parallel group
+draws from the default generator in the same order from the same seed, so their masks agree.
+Dropout on a sharded activation must draw independent masks for the different shards, without
+advancing the default generator (which would break the agreement above). It uses one extra
+generator per (device, group rank), seeded from torch.initial_seed() and the rank in the group
+(the same scheme as Megatron's model-parallel RNG tracker).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nnscaler.runtime.comm import Group, rank_in_group
+
+__all__ = ["sharded_dropout", "shard_generator"]
+
+_GENERATORS: dict[tuple[str, int], torch.Generator] = {}
+_OFFSET = 2718  # keeps the shard streams apart from the default stream's seed
+
+
+def shard_generator(device: torch.device, group: Group) -> torch.Generator:
+    """This rank's generator for sharded random ops (created on first use)."""
+    rank = rank_in_group(group)
+    key = (str(device), rank)
+    if key not in _GENERATORS:
+        gen = torch.Generator(device=device)
+        gen.manual_seed((torch.initial_seed() + _OFFSET + 1009 * (rank + 1)) % (2**63))
+        _GENERATORS[key] = gen
+    return _GENERATORS[key]
+
+
+def sharded_dropout(x: torch.Tensor, p: float, training: bool, group: Group) -> torch.Tensor:
+    """Dropout on this rank's shard with a mask independent of the other shards'."""
+    if not training or p == 0.0:
+        return x
+    if p >= 1.0:
+        return torch.zeros_like(x)
+    keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=shard_generator(x.device, group))
+    return x * keep / (1.0 - p)
