@@ -49,6 +49,9 @@ class ModuleView:
     out_spec_json: str | None
     uses_sync_norm: bool = False
     uses_rng: bool = False
+    unpack_inputs: list[str] = field(default_factory=list)
+    """Lines that take tensors out of nested or non-tensor forward arguments."""
+    in_spec_json: str | None = None
 
 
 def _section_of(path: str) -> str:
@@ -158,6 +161,7 @@ def build_module_view(
         f'groups={{"tp": {tp_group}, "dp": {dp_group}}}, all_groups={all_groups})'
     )
     signature = ", ".join(["self"] + program.forward_args)
+    unpack, in_spec_json = _unpack_inputs(program)
     return ModuleView(
         header,
         imports,
@@ -171,7 +175,26 @@ def build_module_view(
         spec_json,
         fmt.used_sync_norm,
         any(s.op.startswith("rng.") for s in program.statements),
+        unpack,
+        in_spec_json,
     )
+
+
+def _unpack_inputs(program: Program) -> tuple[list[str], str | None]:
+    """Plain tensor arguments are used by name; nested or non-tensor ones are flattened as traced."""
+    if program.input_leaves == program.forward_args:
+        return [], None
+    kwargs = ", ".join(f'"{a}": {a}' for a in program.forward_args)
+    lines = [
+        f"leaves, spec = pytree.tree_flatten(((), {{{kwargs}}}))",
+        "self.check_input_structure(spec, _IN_SPEC)",
+    ]
+    lines += [f"{name} = leaves[{i}]" for i, name in enumerate(program.input_leaves) if name is not None]
+    lines += [
+        f"self.check_constant_input({i}, leaves[{i}], {value!r})  # traced as a constant"
+        for i, value in ((int(k), v) for k, v in program.input_constants.items())
+    ]
+    return lines, program.in_spec
 
 
 def _spec_types(spec) -> list[str]:

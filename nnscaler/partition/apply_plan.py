@@ -160,7 +160,9 @@ class _Partitioner:
     def run(self) -> Program:
         for name in self.graph.inputs:
             self._meta(name, Replicate())
-        self.program.input_values = {self.graph.values[n].target: n for n in self.graph.inputs}
+        self.program.input_leaves = list(self.graph.input_leaves)
+        self.program.in_spec = self.graph.in_spec
+        self.program.input_constants = dict(self.graph.input_constants)
         self._place_tensors()
         for node in self.graph.nodes:
             self._node(node)

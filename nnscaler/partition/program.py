@@ -61,8 +61,10 @@ class Program:
     tensors: list[LocalTensor] = field(default_factory=list)
     statements: list[Statement] = field(default_factory=list)
     forward_args: list[str] = field(default_factory=list)
-    input_values: dict[str, str] = field(default_factory=dict)
-    """forward argument name -> value name in the program."""
+    input_leaves: list[str | None] = field(default_factory=list)
+    """Values fed by the leaves of the flattened forward inputs (None: a constant leaf)."""
+    in_spec: str = ""
+    input_constants: dict[str, object] = field(default_factory=dict)
     outputs: list[Any] = field(default_factory=list)
     out_spec: str = ""
     local_meta: dict[str, TensorMeta] = field(default_factory=dict)

@@ -139,6 +139,22 @@ class ParallelModule(nn.Module):
         dps = [list(range(i, w, p)) for i in range(p)]
         return plans + dps
 
+    def check_input_structure(self, spec: Any, expected: Any) -> None:
+        """Generated code calls this: forward inputs must be nested as they were when traced."""
+        if spec != expected:
+            raise TypeError(
+                f"{type(self).__name__}.forward got inputs structured as {spec}, but the code was generated "
+                f"for {expected}: call it with the same nesting as the dummy inputs given to parallelize"
+            )
+
+    def check_constant_input(self, index: int, value: Any, traced: Any) -> None:
+        """Generated code calls this: a non-tensor input was baked into the code when traced."""
+        if value != traced:
+            raise ValueError(
+                f"{type(self).__name__}.forward: non-tensor input #{index} is {value!r} but the code was "
+                f"generated with {traced!r}; pass the same value or parallelize again with this one"
+            )
+
     def group(self, name: str) -> dist.ProcessGroup | None:
         """The process group named in the generated code ("dp" and "plan" always exist); None if trivial."""
         if name in self._group_ranks:

@@ -114,7 +114,11 @@ class _Converter:
                 "register it as a buffer (self.register_buffer) instead"
             )
         if kind == "input" and meta is None:
-            self.env[fx_node.name] = fx_node.meta.get("val")
+            value = fx_node.meta.get("val")
+            self.env[fx_node.name] = value
+            if value is None or isinstance(value, (bool, int, float, str)):
+                self.graph.input_constants[str(len(self.graph.input_leaves))] = value
+            self.graph.input_leaves.append(None)
             return
         if kind != "input":
             canonical = self.tied.get(target, [target])[0]
@@ -140,6 +144,7 @@ class _Converter:
         self.graph.values[name] = Value(name, meta, kind, None, target, aliases, persistent)
         if kind == "input":
             self.graph.inputs.append(name)
+            self.graph.input_leaves.append(name)
         self.env[fx_node.name] = Ref(name)
 
     def _arg(self, a: Any) -> Any:
@@ -260,6 +265,7 @@ class _Converter:
                 )
         self.graph.outputs = user
         self.graph.out_spec = pytree.treespec_dumps(self.ep.call_spec.out_spec)
+        self.graph.in_spec = pytree.treespec_dumps(self.ep.call_spec.in_spec)
 
 
 def convert_exported(

@@ -95,6 +95,12 @@ class Graph:
     """torch.utils._pytree treespec_dumps of the forward's output structure."""
     module_class: str = ""
     module_classes: dict[str, str] = field(default_factory=dict)
+    input_leaves: list[str | None] = field(default_factory=list)
+    """One entry per leaf of the flattened forward inputs: the value it feeds, or None (a constant)."""
+    input_constants: dict[str, object] = field(default_factory=dict)
+    """Leaf index (as a string) -> the non-tensor value traced there (baked into the code)."""
+    in_spec: str = ""
+    """torch.utils._pytree treespec_dumps of ((), {forward arg: value}) as traced."""
     """Module path -> class name, for every module the trace passed through."""
 
     def params(self) -> list[Value]:

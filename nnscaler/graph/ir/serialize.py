@@ -81,6 +81,9 @@ def graph_to_json(graph: Graph) -> str:
         "outputs": encode_const(graph.outputs),
         "out_spec": graph.out_spec,
         "module_classes": graph.module_classes,
+        "input_leaves": graph.input_leaves,
+        "in_spec": graph.in_spec,
+        "input_constants": {k: encode_const(v) for k, v in graph.input_constants.items()},
     }
     return json.dumps(data, indent=1)
 
@@ -101,4 +104,7 @@ def graph_from_json(text: str) -> Graph:
     g.outputs = decode_const(data["outputs"])
     g.out_spec = data["out_spec"]
     g.module_classes = data.get("module_classes", {})
+    g.input_leaves = data.get("input_leaves", [])
+    g.in_spec = data.get("in_spec", "")
+    g.input_constants = {k: decode_const(v) for k, v in data.get("input_constants", {}).items()}
     return g
