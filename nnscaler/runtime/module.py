@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,14 +22,7 @@ from torch import nn
 from nnscaler.config import ComputeConfig
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.groups import create_groups, get_group
-from nnscaler.runtime.reducer import (
-    DEFAULT_BUCKET_CAP_MB,
-    Reducer,
-    first_holders,
-    grad_sq_norm,
-    scale_grads,
-    zero_groups,
-)
+from nnscaler.runtime.reducer import average_gradients, first_holders, grad_sq_norm, scale_grads
 from nnscaler.runtime.shard import Shard, local_shape, normalize_shard, shard_slice
 
 __all__ = ["ParallelModule", "ShardInfo", "EXTRA_STATE_FORMAT", "EXTRA_STATE_KEY"]
@@ -69,10 +61,8 @@ class ShardInfo:
         }
 
 
-def _before_forward(module: ParallelModule, args: Any) -> None:
+def _reset_synced(module: ParallelModule, args: Any) -> None:
     module._grads_synced = False
-    if torch.is_grad_enabled():
-        module._ensure_reducer()  # before backward, so its hooks overlap communication with it
 
 
 class ParallelModule(nn.Module):
@@ -119,10 +109,8 @@ class ParallelModule(nn.Module):
         self._local_of: dict[str, str] = {}
         self._grads_synced = False
         self._norm_owned: list[bool] | None = None
-        self._reducer: Reducer | None = None
-        self._reducer_built = False
         create_groups([*all_groups, *self._implied_groups()])
-        self.register_forward_pre_hook(_before_forward)
+        self.register_forward_pre_hook(_reset_synced)
 
     # ---- groups -------------------------------------------------------------------------------------
 
@@ -232,7 +220,6 @@ class ParallelModule(nn.Module):
 
     def load_shards(self, init_params: bool = True) -> None:
         """Allocate local tensors on `runtime_device()`; fill them from the full weights if a source is set."""
-        self._drop_reducer()
         device = runtime_device()
         for name, info in self.fullmap.items():
             data = torch.empty(info.local_shape, dtype=info.dtype, device=device)
@@ -371,99 +358,14 @@ class ParallelModule(nn.Module):
         return list(self.parameters())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._reducer is not None:
-            self._reducer.zero_grad()  # waits for reductions in flight, drops bucket views
         super().zero_grad(set_to_none=set_to_none)
         self._grads_synced = False
 
-    # ---- gradient reducer ---------------------------------------------------------------------------
-
-    @property
-    def reducer(self) -> Reducer | None:
-        """The gradient reducer over the "dp" group (None with one replica); built on first use from
-        `compute_config` (`reducer_bucket_cap_mb`, `use_async_reducer`, `use_zero`, `zero_ngroups`,
-        `zero_use_reduce_scatter`; defaults when it is None)."""
-        return self._ensure_reducer()
-
-    def _ensure_reducer(self) -> Reducer | None:
-        red = self._reducer
-        if red is not None and not red.valid_for(self.parameters_for_optimizer()):
-            if red.zero:
-                red.check()
-                raise RuntimeError(
-                    f"{type(self).__name__}: parameters were replaced after the ZeRO reducer was built"
-                )
-            self._drop_reducer()
-        if not self._reducer_built:
-            self._reducer = self._build_reducer()
-            self._reducer_built = True
-        return self._reducer
-
-    def _drop_reducer(self) -> None:
-        if self._reducer is not None:
-            self._reducer.zero_grad()
-            self._reducer.remove_hooks()
-        self._reducer, self._reducer_built = None, False
-
-    def _build_reducer(self) -> Reducer | None:
-        dp = self.group("dp")
-        if dp is None:
-            return None
-        cfg = self.compute_config
-        zero_group = cross_group = None
-        if cfg is not None and cfg.use_zero:
-            stage = getattr(cfg, "zero_stage", 1)
-            if stage != 1:
-                raise NotImplementedError(
-                    f"ComputeConfig.zero_stage={stage}: only ZeRO stage 1 is implemented"
-                )
-            parts: list[list[int]] = []
-            crosses: list[list[int]] = []
-            for i in range(self.plan_ngpus):  # every rank creates every group, in the same order
-                p, c = zero_groups(list(range(i, self.world_size, self.plan_ngpus)), cfg.zero_ngroups)
-                parts += p
-                crosses += c
-            create_groups(parts + crosses)
-            zero_group = get_group(next(g for g in parts if self.rank in g))
-            cross_group = get_group(next(g for g in crosses if self.rank in g))
-        cap = cfg.reducer_bucket_cap_mb if cfg is not None else None
-        return Reducer(
-            self.parameters_for_optimizer(),
-            dp,
-            bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if cap is None else cap,
-            async_op=cfg is not None and cfg.use_async_reducer,
-            zero_group=zero_group,
-            cross_group=cross_group,
-            scatter=cfg is not None and cfg.zero_use_reduce_scatter,
-        )
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Inside: backward accumulates gradients locally without launching reductions (gradient
-        accumulation); the next `sync_grad` (or the optimizer step) reduces the sum once."""
-        red = self._ensure_reducer()
-        old = red.enabled if red is not None else True
-        if red is not None:
-            red.enabled = False
-        try:
-            yield
-        finally:
-            if red is not None:
-                red.enabled = old
-
     def sync_grad(self) -> None:
-        """Average gradients over the data-parallel group ("dp"): wait for the reductions the backward
-        hooks launched (`use_async_reducer`) and reduce the remaining buckets."""
-        red = self._ensure_reducer()
-        if red is not None:
-            red.sync()
+        """Average gradients over the data-parallel group ("dp") in contiguous buckets."""
+        cap = self.compute_config.reducer_bucket_cap_mb if self.compute_config is not None else None
+        average_gradients(self.parameters_for_optimizer(), self.group("dp"), cap)
         self._grads_synced = True
-
-    def gather_params(self) -> None:
-        """ZeRO: all-gather the parameters after the optimizer updated this rank's slice (the
-        optimizer from `build_optimizer` calls it)."""
-        if self._reducer is not None:
-            self._reducer.gather_params()
 
     def _owned_params(self) -> list[bool]:
         """For each parameter: does this rank count it in the gradient norm?"""
@@ -478,16 +380,7 @@ class ParallelModule(nn.Module):
             self.sync_grad()
         params = [self._tensor(n) for n, i in self.fullmap.items() if i.is_param]
         owned = [p for p, own in zip(params, self._owned_params()) if own]
-        red = self._reducer
-        if red is not None and red.zero:  # each rank holds the reduced gradients of its slice only
-            mine = {id(p) for p in owned}
-            total = torch.zeros((), dtype=torch.float32, device=runtime_device())
-            for piece in red.pieces:
-                if id(piece.source) in mine:
-                    total = total + piece.grad().float().pow(2).sum().to(total.device)
-            dist.all_reduce(total, group=red.zero_group)
-        else:
-            total = grad_sq_norm(owned, device=runtime_device())
+        total = grad_sq_norm(owned, device=runtime_device())
         plan = self.group("plan")
         if plan is not None:
             dist.all_reduce(total, group=plan)
@@ -497,18 +390,5 @@ class ParallelModule(nn.Module):
         """Total gradient 2-norm (same on every rank); with `max_norm`, scale gradients like clip_grad_norm_."""
         total = self.grad_sq_norm().sqrt()
         if max_norm is not None:
-            self.scale_grads(max_norm, total)
+            scale_grads(self.parameters_for_optimizer(), max_norm, total)
         return float(total)
-
-    def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
-        """Scale the (synced) gradients as `clip_grad_norm_` does for `total_norm`; under ZeRO the
-        gradients of this rank's slice, which is what its optimizer reads."""
-        red = self._reducer
-        if red is not None and red.zero:
-            coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-            with torch.no_grad():
-                for bucket in red.buckets:
-                    owned = bucket.owned_grads()
-                    owned.mul_(coef.to(owned.device, owned.dtype))
-        else:
-            scale_grads(self.parameters_for_optimizer(), max_norm, total_norm)

@@ -3,8 +3,8 @@
 Same identifier = same size. A plain dim may be split (outputs split the same way); `+` marks a
 reduction dim (splitting it leaves outputs as partial sums); `^` marks a dim that must not be split;
 a number is a fixed-size dim (never split); `*` stands for any number of leading dims; `?` marks a
-non-tensor or replicate-only argument; `(h d)` is one dim made of sub-dims, of which only the first
-may be split (splitting a later one is a strided split, see Shard.blocks).
+non-tensor or replicate-only argument; `(h d)` is one dim made of sub-dims: splitting the first is a
+contiguous split, splitting a later one a strided split (see Shard.blocks).
 """
 
 from __future__ import annotations
