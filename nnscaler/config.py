@@ -61,6 +61,8 @@ class ComputeConfig:
     """Options for the policy."""
     user_config: dict[str, Any] = field(default_factory=dict)
     """User values that only take part in deciding whether generated code can be reused."""
+    zero_stage: int = field(default=1, kw_only=True)
+    """ZeRO stage when use_zero: 1 shards optimizer state, 2 also gradients (reduce-scatter, overlapped)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan_ngpus, int) or self.plan_ngpus <= 0:
@@ -90,6 +92,15 @@ class ComputeConfig:
             raise ConfigError(f"ComputeConfig.zero_ngroups must be >= 1, got {self.zero_ngroups!r}")
         if not self.use_zero and self.zero_ngroups != 1:
             object.__setattr__(self, "zero_ngroups", 1)
+        if self.zero_stage not in (1, 2):
+            raise ConfigError(
+                f"ComputeConfig.zero_stage must be 1 (optimizer state) or 2 (also gradients), got {self.zero_stage!r}"
+            )
+        if self.use_zero and (self.runtime_ngpus // self.plan_ngpus) % self.zero_ngroups:
+            raise ConfigError(
+                f"ComputeConfig.zero_ngroups ({self.zero_ngroups}) must divide the number of data-parallel "
+                f"replicas (runtime_ngpus // plan_ngpus = {self.runtime_ngpus // self.plan_ngpus})"
+            )
 
     @property
     def dp_size(self) -> int:

@@ -92,6 +92,7 @@ def train_parallel(
     gen_savedir: str,
     optimizer: str = "adamw",
     optimizer_kwargs: dict[str, Any] | None = None,
+    config_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One rank's share of a parity run; returns its losses and (rank 0) the merged state dict."""
     import nnscaler
@@ -102,7 +103,8 @@ def train_parallel(
 
     model, make_batch = zoo.build(model_name, seed=SEED)
     dummy = make_batch(DUMMY_SEED, batch_size)
-    pm = parallelize(model, dummy, policy, ComputeConfig(plan_ngpus, world_size), gen_savedir=gen_savedir)
+    cfg = ComputeConfig(plan_ngpus, world_size, **(config_kwargs or {}))
+    pm = parallelize(model, dummy, policy, cfg, gen_savedir=gen_savedir)
     opt_cls, opt_kwargs = _make_optimizer(optimizer, optimizer_kwargs or {})
     opt = build_optimizer(pm, opt_cls, **opt_kwargs)
 
@@ -261,6 +263,7 @@ def run_parity(
     optimizer: str = "adamw",
     optimizer_kwargs: dict[str, Any] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    config_kwargs: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Train `model_name` under `policy` with ComputeConfig(plan_ngpus, runtime_ngpus) for `steps`
     optimizer steps and assert it matches single-device training. Returns the per-rank results.
@@ -285,12 +288,14 @@ def run_parity(
         gen_savedir,
         optimizer,
         optimizer_kwargs,
+        config_kwargs,
         timeout=timeout,
     )
     ref_losses, ref_model = train_reference(
         model_name, runtime_ngpus // plan_ngpus, steps, batch_size, optimizer, optimizer_kwargs
     )
     policy_name = policy if isinstance(policy, str) else getattr(policy, "__name__", repr(policy))
-    label = f"{model_name} / {policy_name} / ComputeConfig({plan_ngpus}, {runtime_ngpus})"
+    extra = "".join(f", {k}={v!r}" for k, v in (config_kwargs or {}).items())
+    label = f"{model_name} / {policy_name} / ComputeConfig({plan_ngpus}, {runtime_ngpus}{extra})"
     compare(results, ref_losses, ref_model, rtol=rtol, atol=atol, label=label)
     return results

@@ -16,6 +16,7 @@ from nnscaler.runtime.device import init, runtime_device, uninit
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.optimizer import build_optimizer
 from nnscaler.runtime.shard import assemble_shards, shard_slice
+from nnscaler.runtime.zero import ZeroOptimizer
 
 __all__ = [
     "ParallelModule",
@@ -24,6 +25,7 @@ __all__ = [
     "uninit",
     "runtime_device",
     "build_optimizer",
+    "ZeroOptimizer",
     "merge_state_dicts",
     "load_merged_state_dict",
     "deduped_state_dict",

@@ -9,16 +9,23 @@ parameters under `param_names`, which is how pieces are matched across ranks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from nnscaler.runtime.checkpoint_dist import broadcast_optimizer_state, broadcast_weights, dp_first
+from nnscaler.runtime.checkpoint_dist import (
+    broadcast_optimizer_state,
+    broadcast_weights,
+    dp_first,
+    optimizer_state_first,
+)
 from nnscaler.runtime.module import EXTRA_STATE_FORMAT, EXTRA_STATE_KEY, ParallelModule
 from nnscaler.runtime.optimizer import optimizer_state_dict, parallel_modules, param_names
-from nnscaler.runtime.shard import assemble_shards, shard_slice
+from nnscaler.runtime.shard import assemble_shards, local_shape, shard_slice
+from nnscaler.runtime.zero import ZERO_SLICES_KEY, ZeroOptimizer
 
 __all__ = [
     "merge_state_dicts",
@@ -113,7 +120,7 @@ def merge_state_dicts(
     if len(optimizer_state_dicts) != len(model_state_dicts):
         raise ValueError("merge_state_dicts: give one optimizer state dict per model state dict")
     ranks = [(optimizer_state_dicts[i], _shard_map(_metas(model_state_dicts[i]))) for i in order]
-    return merged, _merge_optimizer(ranks)
+    return merged, _merge_optimizer(_join_zero_slices(ranks))
 
 
 def _group_names(opt_sd: Mapping[str, Any]) -> list[list[str]]:
@@ -124,6 +131,62 @@ def _group_names(opt_sd: Mapping[str, Any]) -> list[list[str]]:
             "with nnscaler.runtime.optimizer.optimizer_state_dict(module, optimizer)"
         )
     return [list(g["param_names"]) for g in groups]
+
+
+def _join_zero_slices(
+    ranks: Sequence[tuple[Mapping[str, Any], dict[str, Meta]]],
+) -> list[tuple[Mapping[str, Any], dict[str, Meta]]]:
+    """ZeRO optimizer state dicts hold slices of each flattened local tensor (param group key
+    `zero_slices`); join the slices of all ranks so each rank's state holds whole local tensors."""
+    if not any(ZERO_SLICES_KEY in g for opt, _ in ranks for g in opt["param_groups"]):
+        return list(ranks)
+    pieces: dict[tuple[str, Any, str], dict[int, tuple[int, torch.Tensor]]] = {}
+    scalars: dict[tuple[str, Any], dict[str, Any]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    listed = []
+    for opt, shards in ranks:
+        names = [n for group in _group_names(opt) for n in group]
+        slices = [s for g in opt["param_groups"] for s in g.get(ZERO_SLICES_KEY, [None] * len(g["params"]))]
+        keys = []
+        for name, sl in zip(names, slices):
+            m = shards.get(name)
+            if sl is None or m is None:
+                keys.append(None)
+                continue
+            shapes[name] = local_shape(m["full_shape"], m["shard"])
+            keys.append((name, None if m["shard"] is None else m["shard"][1]))
+        listed.append(keys)
+        for idx, state in opt["state"].items():
+            key, sl = keys[int(idx)], slices[int(idx)]
+            if key is None:
+                continue
+            for skey, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    pieces.setdefault((*key, skey), {})[sl[0]] = (sl[1], value)
+                else:
+                    scalars.setdefault(key, {}).setdefault(skey, value)
+    joined: dict[tuple[str, Any], dict[str, Any]] = {k: dict(v) for k, v in scalars.items()}
+    for (name, index, skey), parts in pieces.items():
+        numel, at, chunks = math.prod(shapes[name]), 0, []
+        for start in sorted(parts):
+            end, value = parts[start]
+            if start != at:
+                break
+            chunks.append(value.reshape(-1))
+            at = end
+        if at != numel:
+            raise ValueError(
+                f"merge_state_dicts: optimizer state {skey!r} of {name} lacks ZeRO slices from element {at} "
+                f"of {numel}; pass the state dicts of every rank of a ZeRO group"
+            )
+        joined.setdefault((name, index), {})[skey] = torch.cat(chunks).view(shapes[name])
+    out = []
+    for (opt, shards), keys in zip(ranks, listed):
+        state = {i: s for i, s in opt["state"].items() if keys[int(i)] is None}
+        state.update({i: joined[k] for i, k in enumerate(keys) if k is not None and k in joined})
+        groups = [{k: v for k, v in g.items() if k != ZERO_SLICES_KEY} for g in opt["param_groups"]]
+        out.append(({"state": state, "param_groups": groups}, shards))
+    return out
 
 
 def _merge_optimizer(ranks: Sequence[tuple[Mapping[str, Any], dict[str, Meta]]]) -> dict[str, Any]:
@@ -186,6 +249,13 @@ def _full_names(module: nn.Module) -> dict[str, tuple[ParallelModule | None, Any
     return out
 
 
+def _model_param_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    """The module parameters of each param group (a ZeroOptimizer's wrapped one holds slices)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        return [list(optimizer.params)]
+    return [list(g["params"]) for g in optimizer.param_groups]
+
+
 def load_merged_state_dict(
     module: nn.Module,
     model_state_dict: Mapping[str, Any],
@@ -236,12 +306,13 @@ def load_merged_state_dict(
     names = param_names(module)
     local: dict[str, Any] = {"state": {}, "param_groups": []}
     k = 0
-    for g, group in enumerate(optimizer.param_groups):
+    for g, group_params in enumerate(_model_param_groups(optimizer)):
         saved = dict(optimizer_state_dict["param_groups"][g])
         saved.pop("param_names", None)
-        saved["params"] = list(range(k, k + len(group["params"])))
+        saved.pop(ZERO_SLICES_KEY, None)
+        saved["params"] = list(range(k, k + len(group_params)))
         local["param_groups"].append(saved)
-        for p in group["params"]:
+        for p in group_params:
             name = names[id(p)]
             pm, info = full[name]
             merged_state = optimizer_state_dict["state"].get(position[name], {})
@@ -260,18 +331,22 @@ def deduped_state_dict(
     module: nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Per-rank state dicts without duplicates: only the first rank of each data-parallel group keeps
-    a ParallelModule's tensors (others keep its metadata); outer tensors stay on global rank 0 only."""
+    a ParallelModule's tensors (others keep its metadata); outer tensors stay on global rank 0 only.
+    Under ZeRO every rank of the first ZeRO group of each data-parallel group keeps its optimizer slice."""
     sd = module.state_dict()
     drop: set[str] = set()
+    drop_state: set[str] = set()
     for name, (pm, _) in _full_names(module).items():
         if not dp_first(pm):
             drop.add(name)
+        if not optimizer_state_first(pm):
+            drop_state.add(name)
     model_sd = {k: v for k, v in sd.items() if k not in drop}
     if optimizer is None:
         return model_sd, None
     opt_sd = optimizer_state_dict(module, optimizer)
     flat = [n for names in _group_names(opt_sd) for n in names]
-    opt_sd["state"] = {i: s for i, s in opt_sd["state"].items() if flat[int(i)] not in drop}
+    opt_sd["state"] = {i: s for i, s in opt_sd["state"].items() if flat[int(i)] not in drop_state}
     return model_sd, opt_sd
 
 
@@ -292,7 +367,7 @@ def load_deduped_state_dict(
     names = param_names(module)
     local = dict(optimizer_state_dict)
     local["state"] = {}
-    local_flat = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    local_flat = [names[id(p)] for group in _model_param_groups(optimizer) for p in group]
     for i, name in enumerate(local_flat):
         if name in by_name:
             local["state"][i] = by_name[name]

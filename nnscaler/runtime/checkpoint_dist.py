@@ -15,7 +15,7 @@ from nnscaler.runtime.device import is_initialized
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.optimizer import parallel_modules
 
-__all__ = ["broadcast_weights", "broadcast_optimizer_state", "dp_first"]
+__all__ = ["broadcast_weights", "broadcast_optimizer_state", "dp_first", "optimizer_state_first"]
 
 
 def _world() -> dist.ProcessGroup | None:
@@ -27,6 +27,22 @@ def dp_first(pm: ParallelModule | None) -> bool:
     if pm is None:
         return not is_initialized() or dist.get_rank() == 0
     return rank_in_group(pm.group("dp")) == 0
+
+
+def _optimizer_state_group(pm: ParallelModule) -> dist.ProcessGroup | None:
+    """The ranks holding copies of `pm`'s optimizer states: "dp", or under ZeRO the cross group (same
+    slice in every ZeRO group)."""
+    red = pm._reducer
+    if red is not None and red.zero:
+        return red.cross_group
+    return pm.group("dp")
+
+
+def optimizer_state_first(pm: ParallelModule | None) -> bool:
+    """Whether this rank keeps the optimizer states of `pm` in a deduped checkpoint."""
+    if pm is None:
+        return dp_first(None)
+    return rank_in_group(_optimizer_state_group(pm)) == 0
 
 
 def _broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
@@ -79,10 +95,10 @@ def broadcast_optimizer_state(module: nn.Module, by_name: dict[str, Any]) -> dic
     """Fill optimizer states (parameter name -> state) from the first rank of each data-parallel group."""
     by_name = dict(by_name)
     for prefix, pm in parallel_modules(module):
-        dp = pm.group("dp")
+        group = _optimizer_state_group(pm)
         names = [prefix + i.original_name for i in pm.fullmap.values() if i.is_param]
-        src = dist.get_global_rank(dp, 0) if dp is not None else 0
-        _broadcast_states(names, by_name, src, dp)
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        _broadcast_states(names, by_name, src, group)
     inner = {id(p) for _, pm in parallel_modules(module) for p in pm.parameters()}
     outer = [n for n, p in module.named_parameters() if id(p) not in inner]
     _broadcast_states(outer, by_name, 0, _world())

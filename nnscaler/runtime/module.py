@@ -4,6 +4,10 @@ A generated subclass registers this rank's piece of every parameter and buffer w
 (local name, original state-dict name, full shape, which shard), then calls `load_shards`. Its
 `state_dict()` is keyed by the ORIGINAL names, holds this rank's local tensors, and carries the
 sharding metadata as extra state, so `merge_state_dicts` can rebuild the single-device state dict.
+
+Gradients are averaged over the data-parallel replicas by a `Reducer` (nnscaler.runtime.reducer),
+built on the first forward with gradients enabled (or the first `sync_grad` / `build_optimizer`) from
+`compute_config`, which the compiler sets after construction.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +27,7 @@ from torch import nn
 from nnscaler.config import ComputeConfig
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.groups import create_groups, get_group
-from nnscaler.runtime.reducer import average_gradients, first_holders, grad_sq_norm, scale_grads
+from nnscaler.runtime.reducer import Reducer, build_reducer, first_holders, grad_sq_norm, scale_grads
 from nnscaler.runtime.shard import Shard, local_shape, normalize_shard, shard_slice
 
 __all__ = ["ParallelModule", "ShardInfo", "EXTRA_STATE_FORMAT", "EXTRA_STATE_KEY"]
@@ -61,8 +66,10 @@ class ShardInfo:
         }
 
 
-def _reset_synced(module: ParallelModule, args: Any) -> None:
+def _before_forward(module: ParallelModule, args: Any) -> None:
     module._grads_synced = False
+    if torch.is_grad_enabled():
+        module._ensure_reducer()  # before backward, so its hooks overlap communication with it
 
 
 class ParallelModule(nn.Module):
@@ -109,8 +116,10 @@ class ParallelModule(nn.Module):
         self._local_of: dict[str, str] = {}
         self._grads_synced = False
         self._norm_owned: list[bool] | None = None
+        self._reducer: Reducer | None = None
+        self._reducer_built = False
         create_groups([*all_groups, *self._implied_groups()])
-        self.register_forward_pre_hook(_reset_synced)
+        self.register_forward_pre_hook(_before_forward)
 
     # ---- groups -------------------------------------------------------------------------------------
 
@@ -220,6 +229,7 @@ class ParallelModule(nn.Module):
 
     def load_shards(self, init_params: bool = True) -> None:
         """Allocate local tensors on `runtime_device()`; fill them from the full weights if a source is set."""
+        self._drop_reducer()
         device = runtime_device()
         for name, info in self.fullmap.items():
             data = torch.empty(info.local_shape, dtype=info.dtype, device=device)
@@ -354,18 +364,82 @@ class ParallelModule(nn.Module):
     # ---- training -------------------------------------------------------------------------------------
 
     def parameters_for_optimizer(self) -> list[nn.Parameter]:
-        """The local parameters, in registration order (what `build_optimizer` hands the optimizer)."""
+        """The local parameters, in registration order (what `build_optimizer` hands the optimizer
+        without ZeRO; under ZeRO it hands it this rank's slices of them, so build it that way)."""
         return list(self.parameters())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._reducer is not None:
+            self._reducer.zero_grad()  # waits for reductions in flight, drops bucket views
         super().zero_grad(set_to_none=set_to_none)
         self._grads_synced = False
 
+    # ---- gradient reducer ---------------------------------------------------------------------------
+
+    @property
+    def reducer(self) -> Reducer | None:
+        """The gradient reducer over the "dp" group (None with one replica); built on first use from
+        `compute_config` (`reducer_bucket_cap_mb`, `use_async_reducer`, `use_zero`, `zero_ngroups`,
+        `zero_use_reduce_scatter`; defaults when it is None)."""
+        return self._ensure_reducer()
+
+    def _ensure_reducer(self) -> Reducer | None:
+        red = self._reducer
+        if red is not None and not red.valid_for(self.parameters_for_optimizer()):
+            if red.zero:
+                red.check()
+                raise RuntimeError(
+                    f"{type(self).__name__}: parameters were replaced after the ZeRO reducer was built"
+                )
+            self._drop_reducer()
+        if not self._reducer_built:
+            self._reducer = self._build_reducer()
+            self._reducer_built = True
+        return self._reducer
+
+    def _drop_reducer(self) -> None:
+        if self._reducer is not None:
+            self._reducer.zero_grad()
+            self._reducer.remove_hooks()
+        self._reducer, self._reducer_built = None, False
+
+    def _build_reducer(self) -> Reducer | None:
+        return build_reducer(
+            self.parameters_for_optimizer(),
+            self.group("dp"),
+            rank=self.rank,
+            world_size=self.world_size,
+            plan_ngpus=self.plan_ngpus,
+            config=self.compute_config,
+        )
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside: backward accumulates gradients locally without launching reductions (gradient
+        accumulation); the next `sync_grad` (or the optimizer step) reduces the sum once."""
+        red = self._ensure_reducer()
+        old = red.enabled if red is not None else True
+        if red is not None:
+            red.enabled = False
+        try:
+            yield
+        finally:
+            if red is not None:
+                red.enabled = old
+
     def sync_grad(self) -> None:
-        """Average gradients over the data-parallel group ("dp") in contiguous buckets."""
-        cap = self.compute_config.reducer_bucket_cap_mb if self.compute_config is not None else None
-        average_gradients(self.parameters_for_optimizer(), self.group("dp"), cap)
+        """Average gradients over the data-parallel group ("dp"): wait for the reductions the backward
+        hooks launched (`use_async_reducer`) and reduce the remaining buckets."""
+        red = self._ensure_reducer()
+        if red is not None:
+            red.sync()
         self._grads_synced = True
+
+    def gather_params(self) -> None:
+        """ZeRO: all-gather the parameters after the optimizer updated this rank's slice (the
+        optimizer from `build_optimizer` calls it)."""
+        if self._reducer is not None:
+            self._reducer.gather_params()
 
     def _owned_params(self) -> list[bool]:
         """For each parameter: does this rank count it in the gradient norm?"""
@@ -380,7 +454,11 @@ class ParallelModule(nn.Module):
             self.sync_grad()
         params = [self._tensor(n) for n, i in self.fullmap.items() if i.is_param]
         owned = [p for p, own in zip(params, self._owned_params()) if own]
-        total = grad_sq_norm(owned, device=runtime_device())
+        red = self._reducer
+        if red is not None and red.zero:  # each rank holds the reduced gradients of its slice only
+            total = red.owned_sq_norm(owned, device=runtime_device())
+        else:
+            total = grad_sq_norm(owned, device=runtime_device())
         plan = self.group("plan")
         if plan is not None:
             dist.all_reduce(total, group=plan)
@@ -390,5 +468,14 @@ class ParallelModule(nn.Module):
         """Total gradient 2-norm (same on every rank); with `max_norm`, scale gradients like clip_grad_norm_."""
         total = self.grad_sq_norm().sqrt()
         if max_norm is not None:
-            scale_grads(self.parameters_for_optimizer(), max_norm, total)
+            self.scale_grads(max_norm, total)
         return float(total)
+
+    def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
+        """Scale the (synced) gradients as `clip_grad_norm_` does for `total_norm`; under ZeRO the
+        gradients of this rank's slice, which is what its optimizer reads."""
+        red = self._reducer
+        if red is not None and red.zero:
+            red.scale_owned(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))
+        else:
+            scale_grads(self.parameters_for_optimizer(), max_norm, total_norm)

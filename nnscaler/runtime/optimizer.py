@@ -12,6 +12,7 @@ from torch import nn
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.reducer import average_gradients, grad_sq_norm, scale_grads
+from nnscaler.runtime.zero import ZeroOptimizer
 
 __all__ = [
     "build_optimizer",
@@ -71,7 +72,9 @@ def clip_gnorm(module: nn.Module, max_norm: float | None = None) -> float:
         total = total + pm.grad_sq_norm().to(total.device)
     total = total.sqrt()
     if max_norm is not None:
-        scale_grads(list(module.parameters()), max_norm, total)
+        scale_grads(outer, max_norm, total)
+        for _, pm in pms:
+            pm.scale_grads(max_norm, total)
     return float(total)
 
 
@@ -84,6 +87,8 @@ def _add_param_names(module: nn.Module, opt: torch.optim.Optimizer, sd: dict[str
 
 def optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """`optimizer.state_dict()` with each param group's `param_names` set to merged state-dict names."""
+    if isinstance(optimizer, ZeroOptimizer):
+        return optimizer.state_dict()  # names its parameters itself
     return _add_param_names(module, optimizer, optimizer.state_dict())
 
 
@@ -96,16 +101,19 @@ def build_optimizer(
     are averaged over all ranks. The optimizer's `state_dict()` names each parameter (param group
     key `param_names`, merged state-dict names) so `merge_state_dicts` can rebuild the full state.
     `optimizer.clip_gnorm(max_norm=None)` clips over the whole module.
+
+    When a ParallelModule runs with ZeRO (`ComputeConfig.use_zero`), the result is a
+    `nnscaler.runtime.zero.ZeroOptimizer`: `optimizer_fn` then gets this rank's slices of the
+    parameters (1-D views), so it must be a per-element optimizer with one param group.
     """
     if isinstance(module, ParallelModule):
         params: list[nn.Parameter] = module.parameters_for_optimizer()
     else:
         params = list(module.parameters())
-    optimizer = optimizer_fn(params, **kwargs)
     outer = outer_parameters(module)
     synced = {"outer": False}
 
-    def pre_step(opt: torch.optim.Optimizer, args: Any, kw: Any) -> None:
+    def sync() -> None:
         for _, pm in parallel_modules(module):
             if not pm._grads_synced:
                 pm.sync_grad()
@@ -118,10 +126,15 @@ def build_optimizer(
         synced["outer"] = True
         return norm
 
+    if any(pm.reducer is not None and pm.reducer.zero for _, pm in parallel_modules(module)):
+        return ZeroOptimizer(module, params, optimizer_fn, sync, clip, lambda: param_names(module), **kwargs)
+
+    optimizer = optimizer_fn(params, **kwargs)
+
     def add_names(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
         return _add_param_names(module, opt, sd)
 
-    optimizer.register_step_pre_hook(pre_step)
+    optimizer.register_step_pre_hook(lambda opt, args, kw: sync())
     optimizer.register_state_dict_post_hook(add_names)
     optimizer.clip_gnorm = clip  # type: ignore[attr-defined]
     return optimizer

@@ -1,16 +1,26 @@
-"""Gradients across ranks: data-parallel averaging in contiguous buckets, norms and clipping."""
+"""Gradients across ranks: the bucketed (optionally overlapping, optionally ZeRO) reducer, norms, clipping."""
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from nnscaler.runtime.buckets import Bucket
+from nnscaler.runtime.groups import create_groups, get_group
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
+    "Reducer",
+    "ZeroPiece",
+    "build_reducer",
+    "zero_groups",
     "make_buckets",
     "average_gradients",
     "grad_sq_norm",
@@ -105,3 +115,315 @@ def scale_grads(params: Sequence[torch.Tensor], max_norm: float, total_norm: tor
     for p in params:
         if p.grad is not None:
             p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+
+
+@dataclass(frozen=True, eq=False)
+class ZeroPiece:
+    """One parameter's part of this rank's ZeRO slice: an optimizer parameter viewing the flat buffer."""
+
+    source: torch.nn.Parameter
+    """The module's parameter."""
+    param: torch.nn.Parameter
+    """What the optimizer updates: elements `[start, end)` of the flattened `source`, sharing memory."""
+    start: int
+    end: int
+    bucket: Bucket
+    offset: int
+    """Where the piece starts in the bucket."""
+
+    def grad(self) -> torch.Tensor:
+        """The reduced gradient of the piece (after `Reducer.sync`)."""
+        lo = self.bucket.own[0]
+        owned = self.bucket.owned_grads()
+        return owned[self.offset - lo : self.offset - lo + self.end - self.start]
+
+
+class Reducer:
+    """Averages gradients over the data-parallel group in buckets; optionally shards them (ZeRO).
+
+    Buckets take parameters in reverse registration order (roughly the order backward produces
+    gradients), up to `bucket_cap_mb` each. With `async_op`, a post-accumulate-grad hook moves each
+    gradient into its bucket and launches the bucket's collective as soon as all of its gradients are
+    in, overlapping communication with the rest of backward; `sync` waits for them (and reduces what
+    is left). Without it, `sync` reduces every bucket (all launched, then all waited for).
+
+    ZeRO (`zero_group` of S > 1 ranks, a consecutive part of the data-parallel group): every bucket
+    is padded to a multiple of S, and rank i of the ZeRO group owns the i-th S-th of each. The
+    parameters become views of flat `data` buffers so `gather_params` refreshes them with one
+    all-gather per bucket. `scatter` reduces with reduce-scatter (then an all-reduce of the slice over
+    `cross_group`, the ranks with the same index in the other ZeRO groups) instead of all-reduce.
+    `stage` 2 also shards the gradients: reduce-scatter as soon as a bucket is full, and only the
+    owned slice is kept (the full bucket is freed once reduced).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        group: dist.ProcessGroup,
+        *,
+        bucket_cap_mb: float | None = None,
+        async_op: bool = False,
+        zero_group: dist.ProcessGroup | None = None,
+        cross_group: dist.ProcessGroup | None = None,
+        scatter: bool = False,
+        stage: int = 1,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ZeRO stage {stage} is not supported by the reducer (1 or 2)")
+        self.params = [p for p in params if p.requires_grad]
+        self.group = group
+        self.dp_size = dist.get_world_size(group)
+        self.zero_group = zero_group
+        self.cross_group = cross_group
+        self.zero = zero_group is not None
+        self.stage = stage if self.zero else 0
+        self.scatter = self.zero and (scatter or self.stage >= 2)
+        self.async_op = async_op or self.stage >= 2
+        self.enabled = True
+        """False inside `no_sync`: hooks collect gradients but launch nothing."""
+        self._in_pass = False
+        self._queue: list[Bucket] = []
+        """Buckets launched and not yet taken in, in launch order."""
+        nshards = dist.get_world_size(zero_group) if zero_group is not None else 1
+        index = dist.get_rank(zero_group) if zero_group is not None else 0
+        groups = make_buckets(self.params[::-1], bucket_cap_mb)
+        sizes = [-(-sum(p.numel() for p in b) // nshards) * nshards for b in groups]
+        totals: dict[tuple[torch.dtype, torch.device], int] = {}
+        for b, size in zip(groups, sizes):
+            totals[(b[0].dtype, b[0].device)] = totals.get((b[0].dtype, b[0].device), 0) + size
+
+        def flat() -> dict[tuple[torch.dtype, torch.device], torch.Tensor]:
+            return {k: torch.zeros(n, dtype=k[0], device=k[1]) for k, n in totals.items()}
+
+        grads = flat() if self.stage < 2 else {}
+        data = flat() if self.zero else {}
+        used = dict.fromkeys(totals, 0)
+        self.buckets: list[Bucket] = []
+        for b, size in zip(groups, sizes):
+            key = (b[0].dtype, b[0].device)
+            o, used[key] = used[key], used[key] + size
+            g = grads[key][o : o + size] if grads else None
+            bucket = Bucket(
+                b, size, g, data[key][o : o + size] if data else None, index, nshards, self.dp_size
+            )
+            if self.zero:
+                bucket.adopt_data()
+            self.buckets.append(bucket)
+        self._hooks = []
+        if self.async_op:
+            for bucket in self.buckets:
+                for i, p in enumerate(bucket.params):
+                    self._hooks.append(
+                        p.register_post_accumulate_grad_hook(partial(self._on_grad, bucket, i))
+                    )
+        self.pieces: list[ZeroPiece] = []
+        for bucket in self.buckets if self.zero else []:
+            assert bucket.data is not None
+            for i, start, end in bucket.own_pieces():
+                o = bucket.offsets[i] + start
+                view = nn.Parameter(bucket.data[o : o + end - start], requires_grad=True)
+                self.pieces.append(ZeroPiece(bucket.params[i], view, start, end, bucket, o))
+
+    # ---- backward ------------------------------------------------------------------------------------
+
+    def _launch(self, bucket: Bucket) -> None:
+        group = self.zero_group if self.scatter else self.group
+        assert group is not None
+        bucket.launch(group, self.scatter)
+        self._queue.append(bucket)
+
+    def _cross(self) -> dist.ProcessGroup | None:
+        return self.cross_group if self.scatter else None
+
+    def _drain(self, until: Bucket) -> None:
+        """Finish the launched buckets up to `until`, in launch order (the order every rank shares, so
+        cross-group collectives are issued alike everywhere)."""
+        while self._queue:
+            bucket = self._queue.pop(0)
+            bucket.launch_cross(self._cross())
+            bucket.finish(self.scatter)
+            if bucket is until:
+                return
+
+    def _reap(self) -> None:
+        """Stage 2: take in (and free) the buckets whose collectives are over, in launch order, without
+        waiting; start the cross-group sum of a finished scatter."""
+        while self._queue and self._queue[0].done():
+            bucket = self._queue[0]
+            if bucket.phase == 1 and self._cross() is not None:
+                bucket.launch_cross(self._cross())
+                continue
+            bucket.finish(self.scatter)
+            self._queue.pop(0)
+
+    @torch.no_grad()
+    def _on_grad(self, bucket: Bucket, i: int, param: torch.Tensor) -> None:
+        if bucket.phase:  # an earlier backward's reduction (no sync in between): finish it first
+            self._drain(until=bucket)
+        if not self._in_pass:
+            self._in_pass = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+        if bucket.accept(i) and self.enabled:
+            self._launch(bucket)
+            if self.stage >= 2:
+                self._reap()
+
+    def _end_pass(self) -> None:
+        self._in_pass = False
+        for bucket in self.buckets:
+            bucket.arrived = [False] * len(bucket.params)
+            bucket.narrived = 0
+
+    # ---- synchronisation -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Finish reducing every bucket: launch those not launched by hooks, wait for all.
+
+        Afterwards (all-reduce) each parameter's `.grad` is its view of the averaged bucket;
+        (reduce-scatter) the parameters have no `.grad` and `ZeroPiece.grad()` is the averaged slice.
+        """
+        for bucket in self.buckets:
+            if not bucket.reduced or bucket.dirty:
+                self._launch(bucket)
+        for bucket in self._queue:  # launch order
+            bucket.launch_cross(self._cross())
+        for bucket in self._queue:
+            bucket.finish(self.scatter)
+        self._queue = []
+        for bucket in self.buckets:
+            if not self.scatter:
+                bucket.expose()
+            bucket.reduced = False
+
+    def zero_grad(self) -> None:
+        """Drop all gradients (waits for reductions in flight)."""
+        for bucket in self.buckets:
+            bucket.reset()
+        self._queue = []
+        self._end_pass()
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """ZeRO: all-gather every bucket's parameters from the owners of its slices (after a step)."""
+        if not self.zero:
+            return
+        assert self.zero_group is not None
+        for bucket in self.buckets:
+            bucket.launch_gather(self.zero_group)
+        for bucket in self.buckets:
+            bucket.wait()
+
+    # ---- norms and clipping under ZeRO ----------------------------------------------------------------
+
+    def owned_sq_norm(self, params: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """ZeRO: squared 2-norm of the reduced gradients of `params` over the ZeRO group (this rank
+        holds its slice of them; the slices of the group are summed)."""
+        wanted = {id(p) for p in params}
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for piece in self.pieces:
+            if id(piece.source) in wanted:
+                total = total + piece.grad().float().pow(2).sum().to(device)
+        dist.all_reduce(total, group=self.zero_group)
+        return total
+
+    @torch.no_grad()
+    def scale_owned(self, coef: torch.Tensor) -> None:
+        """ZeRO: multiply this rank's slice of the reduced gradients (what its optimizer reads) by `coef`."""
+        for bucket in self.buckets:
+            owned = bucket.owned_grads()
+            owned.mul_(coef.to(owned.device, owned.dtype))
+
+    # ---- bookkeeping -----------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise if the parameters were moved or replaced since the reducer was built (ZeRO)."""
+        if self.zero and not all(b.owns_data() for b in self.buckets):
+            raise RuntimeError(
+                "the parameters of a ZeRO ParallelModule were moved or replaced (e.g. by module.to()) "
+                "after its optimizer was built; move the module first, then call build_optimizer"
+            )
+
+    def valid_for(self, params: Sequence[torch.nn.Parameter]) -> bool:
+        """Whether the reducer still matches `params` (same objects, dtypes and devices)."""
+        mine = [p for p in params if p.requires_grad]
+        if len(mine) != len(self.params) or any(a is not b for a, b in zip(mine, self.params)):
+            return False
+        return all((b.params[0].dtype, b.params[0].device) == b.kind for b in self.buckets)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held now by the buckets: full gradients, reduced gradient slices, flat parameters."""
+        total: dict[str, int] = {}
+        for bucket in self.buckets:
+            for k, v in bucket.nbytes().items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def build_reducer(
+    params: Sequence[torch.nn.Parameter],
+    dp_group: dist.ProcessGroup | None,
+    *,
+    rank: int,
+    world_size: int,
+    plan_ngpus: int,
+    config: Any,
+) -> Reducer | None:
+    """The reducer of a ParallelModule from its `compute_config` (None: defaults); None with one replica.
+
+    Reads `reducer_bucket_cap_mb`, `use_async_reducer`, `use_zero`, `zero_ngroups`,
+    `zero_use_reduce_scatter` and (when present) `zero_stage`. Under ZeRO it creates the ZeRO groups of
+    every data-parallel group: every rank must build its reducers at the same point, in the same order.
+    """
+    if dp_group is None:
+        return None
+    zero_group = cross_group = None
+    stage = 1
+    if config is not None and config.use_zero:
+        stage = getattr(config, "zero_stage", 1)
+        if stage not in (1, 2):
+            raise ValueError(
+                f"ComputeConfig.zero_stage={stage!r}: the runtime implements ZeRO stages 1 and 2"
+            )
+        parts: list[list[int]] = []
+        crosses: list[list[int]] = []
+        for i in range(plan_ngpus):
+            p, c = zero_groups(list(range(i, world_size, plan_ngpus)), config.zero_ngroups)
+            parts += p
+            crosses += c
+        create_groups(parts + crosses)
+        zero_group = get_group(next(g for g in parts if rank in g))
+        cross_group = get_group(next(g for g in crosses if rank in g))
+    cap = config.reducer_bucket_cap_mb if config is not None else None
+    return Reducer(
+        params,
+        dp_group,
+        bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if cap is None else cap,
+        async_op=config is not None and config.use_async_reducer,
+        zero_group=zero_group,
+        cross_group=cross_group,
+        scatter=config is not None and config.zero_use_reduce_scatter,
+        stage=stage,
+    )
+
+
+def zero_groups(dp_ranks: Sequence[int], ngroups: int) -> tuple[list[list[int]], list[list[int]]]:
+    """nnScaler's ZeRO groups of one data-parallel group: `ngroups` consecutive parts (optimizer state
+    is sharded within each) and the cross groups (the ranks with the same index in every part).
+
+    E.g. ranks [0, 2, 4, 6] with 2 groups: parts [0, 2], [4, 6]; cross groups [0, 4], [2, 6].
+    """
+    n = len(dp_ranks)
+    if ngroups < 1 or n % ngroups != 0:
+        raise ValueError(
+            f"ComputeConfig.zero_ngroups={ngroups} must divide the data-parallel size {n} (ranks {list(dp_ranks)})"
+        )
+    size = n // ngroups
+    parts = [list(dp_ranks[k * size : (k + 1) * size]) for k in range(ngroups)]
+    cross = [list(dp_ranks[j::size]) for j in range(size)]
+    return parts, cross

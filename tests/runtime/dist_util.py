@@ -33,6 +33,7 @@ def _load(path: str, qualname: str) -> Callable[..., Any]:
     spec = importlib.util.spec_from_file_location(f"_dist_target_{abs(hash(path))}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses (and pickling) look their module up by name
     spec.loader.exec_module(module)
     obj: Any = module
     for part in qualname.split("."):

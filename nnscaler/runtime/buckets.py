@@ -1,0 +1,297 @@
+"""Gradient buckets: contiguous buffers whose gradients are reduced with one collective each.
+
+A `Bucket` holds the gradients of a few parameters back to back in `grads` (padded to a multiple of
+the ZeRO group size). Gradients reach it in one of two ways: a post-accumulate-grad hook copies (or
+adds) a fresh `.grad` into the bucket and drops it (`accept`), or `materialize` copies whatever sits
+in `.grad` just before the bucket is reduced. After an all-reduce the parameters' `.grad` are views
+of the bucket (`expose`), so the optimizer reads the reduced values with no copy.
+
+Under ZeRO each rank of the ZeRO group owns one contiguous `1/S`-th of every bucket (`own`), and the
+bucket also holds the parameters themselves in a flat buffer (`data`) so one all-gather refreshes them.
+With reduce-scatter only the owned slice is reduced; it accumulates in `shard_grads`. A `transient`
+bucket (ZeRO stage 2) allocates `grads` when the first gradient arrives and frees it once its
+reduce-scatter is taken in, so only the owned slices of the gradients stay in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nnscaler.runtime.comm import _all_gather_single, _reduce_scatter_single
+
+__all__ = ["Bucket", "EMPTY", "LOCAL", "EXPOSED"]
+
+EMPTY, LOCAL, EXPOSED = 0, 1, 2
+"""Where a parameter's gradient is. EMPTY: not in the bucket (it may be in `.grad`); LOCAL: in the
+bucket, added there by the hook (`.grad` is None); EXPOSED: the bucket's value, also set as `.grad`
+(the user may have replaced or cleared `.grad` since, or accumulated into it in place)."""
+
+
+def _check_dense(grad: torch.Tensor) -> None:
+    if grad.is_sparse:
+        raise NotImplementedError("sparse gradients are not supported by the gradient reducer")
+
+
+class Bucket:
+    """Gradients (and under ZeRO, values) of `params` in contiguous buffers of `size` elements."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        size: int,
+        grads: torch.Tensor | None,
+        data: torch.Tensor | None,
+        shard_index: int,
+        nshards: int,
+        divisor: int,
+    ) -> None:
+        if size % nshards != 0:
+            raise ValueError(f"bucket of {size} elements cannot be split in {nshards} shards")
+        self.params = list(params)
+        self.offsets: list[int] = []
+        offset = 0
+        for p in self.params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.numel = offset
+        self.size = size
+        self.kind = (self.params[0].dtype, self.params[0].device)
+        """dtype and device the buffers were made for."""
+        self.transient = grads is None
+        """Allocate `grads` on demand and free it after each reduce-scatter (ZeRO stage 2)."""
+        self.grads: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        if grads is not None:
+            self._set_grads(grads)
+        self.data = data
+        shard = size // nshards
+        self.own = (shard_index * shard, (shard_index + 1) * shard)
+        """This rank's ZeRO slice of the bucket: [start, end) in bucket coordinates."""
+        self.shard_grads: torch.Tensor | None = None
+        """Reduce-scatter mode: the reduced gradients of `own`, accumulated until `reset`."""
+        self._scatter_out: torch.Tensor | None = None
+        self.divisor = divisor
+        """Gradients are divided by this (the data-parallel size) before they are summed."""
+        self.state = [EMPTY] * len(self.params)
+        self.scaled = [False] * len(self.params)
+        """Whether a parameter's region in the bucket is divided by `divisor` already."""
+        self.arrived = [False] * len(self.params)
+        self.narrived = 0
+        self.works: list[Any] = []
+        self.phase = 0
+        """0: no reduction under way; 1: launched; 2: reduce-scatter done, cross-group all-reduce launched."""
+        self.reduced = False
+        """Launched since the end of the reducer's last `sync`."""
+        self.dirty = False
+        """New local gradients arrived since the last launch."""
+
+    # ---- layout -----------------------------------------------------------------------------------------
+
+    def _set_grads(self, grads: torch.Tensor) -> None:
+        self.grads = grads
+        self.views = [grads[o : o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params)]
+
+    def _ensure_grads(self) -> torch.Tensor:
+        if self.grads is None:
+            p = self.params[0]
+            self._set_grads(torch.empty(self.size, dtype=p.dtype, device=p.device))
+        assert self.grads is not None
+        return self.grads
+
+    def _release_grads(self) -> None:
+        if self.transient:
+            self.grads, self.views = None, []
+
+    def own_pieces(self) -> list[tuple[int, int, int]]:
+        """`(param index, start, end)` of each parameter's part inside `own` (start/end in the flattened
+        parameter); parameters outside `own` are left out."""
+        lo, hi = self.own
+        pieces = []
+        for i, (o, p) in enumerate(zip(self.offsets, self.params)):
+            start, end = max(o, lo), min(o + p.numel(), hi)
+            if start < end:
+                pieces.append((i, start - o, end - o))
+        return pieces
+
+    def adopt_data(self) -> None:
+        """Copy the parameters into `data` and make each parameter a view of it (ZeRO)."""
+        assert self.data is not None
+        with torch.no_grad():
+            self.data[self.numel :].zero_()
+            for o, p in zip(self.offsets, self.params):
+                self.data[o : o + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = self.data[o : o + p.numel()].view(p.shape)
+
+    def owns_data(self) -> bool:
+        """Whether every parameter still is a view of `data` (`module.to(...)` breaks that)."""
+        assert self.data is not None
+        base = self.data.data_ptr()
+        size = self.data.element_size()
+        return all(p.data_ptr() == base + o * size for o, p in zip(self.offsets, self.params))
+
+    # ---- gradients in ----------------------------------------------------------------------------------
+
+    def _is_view(self, i: int, grad: torch.Tensor | None) -> bool:
+        return grad is not None and bool(self.views) and grad.data_ptr() == self.views[i].data_ptr()
+
+    def accept(self, i: int) -> bool:
+        """Move parameter `i`'s fresh `.grad` into the bucket (a hook, after gradient accumulation).
+
+        Returns True when this completes the bucket for the current backward pass.
+        """
+        p = self.params[i]
+        grad = p.grad
+        if grad is not None:
+            _check_dense(grad)
+            self._ensure_grads()
+            view = self.views[i]
+            if self.state[i] == LOCAL:
+                view.add_(grad, alpha=1 / self.divisor if self.scaled[i] else 1)
+            elif self.state[i] == EXPOSED and self._is_view(i, grad):
+                self.scaled[i] = False  # accumulated in place into the reduced values
+            else:
+                torch.div(grad, self.divisor, out=view)  # copy and pre-divide in one pass
+                self.scaled[i] = True
+            self.state[i] = LOCAL
+            p.grad = None
+        self.dirty = True
+        if not self.arrived[i]:
+            self.arrived[i] = True
+            self.narrived += 1
+        return self.narrived == len(self.params)
+
+    def materialize(self) -> None:
+        """Bring every gradient into the bucket before it is reduced (zeros where there is none)."""
+        grads = self._ensure_grads()
+        for i, (p, view) in enumerate(zip(self.params, self.views)):
+            if self.state[i] == LOCAL:
+                continue
+            grad = p.grad
+            if grad is None:
+                view.zero_()
+                self.scaled[i] = True
+            elif not self._is_view(i, grad):
+                _check_dense(grad)
+                torch.div(grad, self.divisor, out=view)
+                self.scaled[i] = True
+            else:
+                self.scaled[i] = False
+            self.state[i] = LOCAL
+            p.grad = None
+        if self.numel < self.size:
+            grads[self.numel :].zero_()
+
+    # ---- reduction ---------------------------------------------------------------------------------------
+
+    def launch(self, group: dist.ProcessGroup, scatter: bool) -> None:
+        """Start reducing the bucket over `group` asynchronously: divide by `divisor`, then sum.
+
+        Gradients are divided when they enter the bucket (one pass with the copy) or here. Dividing
+        first keeps the values in range and makes a reduction of an already reduced bucket plus new
+        local gradients (gradient accumulation without `no_sync`) come out right.
+        `scatter`: reduce-scatter, this rank keeps its `own` slice; otherwise all-reduce in place.
+        """
+        self.materialize()
+        grads = self._ensure_grads()
+        for view, scaled in zip(self.views, self.scaled):
+            if not scaled:
+                view.div_(self.divisor)
+        self.scaled = [False] * len(self.params)  # what comes back is reduced, not divided
+        if scatter:
+            lo, hi = self.own
+            if self._scatter_out is None:
+                self._scatter_out = torch.empty_like(grads[lo:hi])
+            self.works.append(_reduce_scatter_single(self._scatter_out, grads, group=group, async_op=True))
+        else:
+            self.works.append(dist.all_reduce(grads, group=group, async_op=True))
+        self.arrived = [False] * len(self.params)
+        self.narrived = 0
+        self.phase = 1
+        self.reduced = True
+        self.dirty = False
+
+    def wait(self) -> None:
+        """Wait for this bucket's collectives in flight."""
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+    def done(self) -> bool:
+        """Whether the collectives in flight have completed (without waiting)."""
+        return all(work.is_completed() for work in self.works)
+
+    def launch_cross(self, group: dist.ProcessGroup | None) -> None:
+        """Reduce-scatter with several ZeRO groups: once the scatter is done, sum the slice across groups."""
+        if self.phase != 1 or group is None or self._scatter_out is None:
+            return
+        self.wait()
+        self.works.append(dist.all_reduce(self._scatter_out, group=group, async_op=True))
+        self.phase = 2
+
+    def finish(self, scatter: bool) -> None:
+        """Wait for the reduction and take its result in. All-reduce: the bucket holds it (and stays the
+        base further local gradients are added to). Reduce-scatter: the slice is added to `shard_grads`
+        and the bucket is emptied (what remains there is consumed; a transient bucket is freed)."""
+        if self.phase == 0:
+            return
+        self.wait()
+        self.phase = 0
+        if not scatter:
+            return
+        assert self._scatter_out is not None
+        if self.shard_grads is None:
+            self.shard_grads, self._scatter_out = self._scatter_out, None
+        else:
+            self.shard_grads.add_(self._scatter_out)
+        self.state = [EMPTY] * len(self.params)
+        self._release_grads()
+
+    def expose(self) -> None:
+        """Set every parameter's `.grad` to its view of the (reduced) bucket."""
+        for i, (p, view) in enumerate(zip(self.params, self.views)):
+            p.grad = view
+            self.state[i] = EXPOSED
+
+    def owned_grads(self) -> torch.Tensor:
+        """This rank's slice of the reduced gradients (bucket coordinates `own`)."""
+        if self.shard_grads is not None:
+            return self.shard_grads
+        lo, hi = self.own
+        return self._ensure_grads()[lo:hi]
+
+    def reset(self) -> None:
+        """Forget all gradients (zero_grad); waits for reductions in flight first."""
+        self.wait()
+        for i, p in enumerate(self.params):
+            p.grad = None
+            self.state[i] = EMPTY
+        self.arrived = [False] * len(self.params)
+        self.narrived = 0
+        if self._scatter_out is None:
+            self._scatter_out = self.shard_grads  # reuse the memory
+        self.shard_grads = None
+        self.phase = 0
+        self.reduced = self.dirty = False
+        self._release_grads()
+
+    # ---- ZeRO parameters ------------------------------------------------------------------------------------
+
+    def launch_gather(self, group: dist.ProcessGroup) -> None:
+        """All-gather the parameters from the owners of each slice (after the optimizer step)."""
+        assert self.data is not None
+        lo, hi = self.own
+        self.works.append(_all_gather_single(self.data, self.data[lo:hi].clone(), group=group, async_op=True))
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes this bucket holds now: full gradients, reduced gradient slice, flat parameters."""
+        size = self.params[0].element_size()
+        shard = sum(t.numel() for t in (self.shard_grads, self._scatter_out) if t is not None)
+        return {
+            "grads": (self.grads.numel() if self.grads is not None else 0) * size,
+            "grad_slices": shard * size,
+            "params": (self.data.numel() if self.data is not None else 0) * size,
+        }
