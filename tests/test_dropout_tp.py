@@ -71,3 +71,49 @@ def test_masks_agree_where_replicated_and_differ_where_sharded(tmp_path):
     assert not torch.equal(a["sharded"], b["sharded"]), "shards drew the same mask"
     keep = (a["sharded"] != 0).float().mean().item()
     assert 0.4 < keep < 0.6
+
+
+def _gpt_with_attention_dropout():
+    from examples.nanogpt.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=4, n_embd=32, dropout=0.3)).train()
+    g = torch.Generator().manual_seed(5)
+    batch = {
+        "idx": torch.randint(0, 64, (2, 16), generator=g),
+        "targets": torch.randint(0, 64, (2, 16), generator=g),
+    }
+    return model, batch
+
+
+def _run_attention(rank, world_size, tmp):
+    from nnscaler import parallelize
+    from nnscaler.runtime import rng
+
+    model, batch = _gpt_with_attention_dropout()
+    pm = parallelize(model, batch, "tp", ComputeConfig(2, 2), gen_savedir=tmp)
+    torch.manual_seed(99)
+    losses = [pm(**batch).item() for _ in range(3)]
+    group = pm.group("tp")
+    torch.manual_seed(7)
+    with rng.shard_rng(group, torch.device("cpu")):
+        inside = torch.rand(100)
+    after = torch.rand(5)
+    torch.manual_seed(7)
+    untouched = torch.rand(5)
+    return {"losses": losses, "inside": inside, "after": after, "untouched": untouched}
+
+
+def test_attention_dropout_on_head_shards(tmp_path):
+    """sdpa's own dropout on split heads runs under the shard generator; the default stream stays in step."""
+    model, batch = _gpt_with_attention_dropout()
+    graph = capture(model, batch)
+    program = apply_plan(graph, make_plan(graph, "tp", ComputeConfig(2, 2)))
+    sdpa = [s for s in program.statements if s.op == "aten.scaled_dot_product_attention.default"]
+    assert sdpa and all(s.shard_rng for s in sdpa)
+    a, b = spawn(_run_attention, 2, tmp_path, str(tmp_path / "gen"))
+    assert a["losses"] == b["losses"] and len(set(a["losses"])) == 3
+    assert not torch.equal(a["inside"], b["inside"]), "head shards drew the same attention-dropout masks"
+    assert torch.equal(a["after"], a["untouched"]) and torch.equal(b["after"], b["untouched"])
+    code = next(tmp_path.glob("**/gencode0.py")).read_text()
+    assert "with rng.shard_rng(tp, self.device):" in code

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from nnscaler.codegen.expr import Formatter, statement_code
+from nnscaler.codegen.expr import Formatter
+from nnscaler.codegen.sections import build_sections
 from nnscaler.config import ComputeConfig
 from nnscaler.graph.ir import Replicate, Shard, iter_refs
 from nnscaler.graph.ops import op_module
@@ -26,6 +27,10 @@ class CodeLine:
     code: str
     trailing: str = ""
     no_grad: bool = False
+    context: str = ""
+    """A `with` block around the line (torch.no_grad(), the shard generator)."""
+    indent: int = 0
+    """Extra indentation levels (inside a recompute function)."""
 
 
 @dataclass
@@ -52,15 +57,7 @@ class ModuleView:
     unpack_inputs: list[str] = field(default_factory=list)
     """Lines that take tensors out of nested or non-tensor forward arguments."""
     in_spec_json: str | None = None
-
-
-def _section_of(path: str) -> str:
-    """The block a statement belongs to: the module path up to and including its first layer index."""
-    parts = path.split(".") if path else []
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[: i + 1])
-    return ".".join(parts[:2])
+    uses_checkpoint: bool = False
 
 
 def _shard_arg(layout, tp_index: int, ways: int) -> str:
@@ -124,22 +121,9 @@ def build_module_view(
         )
         shards.append(ShardLine(code, _shard_comment(t, t.layout, ways)))
     aliases = [f'self.add_alias("{a}", "{t.original_name}")' for t in program.tensors for a in t.aliases]
-    sections: list[Section] = []
-    last_source = None
-    for s in program.statements:
-        title = _section_of(s.module_path)
-        if not sections or sections[-1].key != title:
-            cls = program.module_classes.get(title, s.module_class)
-            label = f"{title} ({cls})" if title else "top level"
-            sections.append(Section(label, key=title))
-            last_source = None
-        comments = []
-        if s.source and s.source != last_source:
-            comments.append(s.source)
-            last_source = s.source
-        sections[-1].lines.append(
-            CodeLine(comments, statement_code(s, fmt), _trailing(s, program, full_shapes), s.no_grad)
-        )
+    sections, uses_checkpoint = build_sections(
+        program, fmt, lambda s: _trailing(s, program, full_shapes), CodeLine, Section
+    )
     out_refs = [fmt(r) for r in iter_refs(program.outputs)]
     spec = json.loads(program.out_spec) if program.out_spec else None
     is_leaf = spec is not None and spec[1].get("type") is None and not spec[1].get("children_spec")
@@ -160,8 +144,12 @@ def build_module_view(
         f"super().__init__(rank={rank}, world_size={cfg.runtime_ngpus}, plan_ngpus={cfg.plan_ngpus}, "
         f'groups={{"tp": {tp_group}, "dp": {dp_group}}}, all_groups={all_groups})'
     )
-    signature = ", ".join(["self"] + program.forward_args)
+    defaults = [f"{k}={v!r}" for k, v in program.untraced_args.items()]
+    signature = ", ".join(["self"] + program.forward_args + defaults)
     unpack, in_spec_json = _unpack_inputs(program)
+    if program.untraced_args:
+        given = ", ".join(f'"{k}": {k}' for k in program.untraced_args)
+        unpack.insert(0, f"self.check_untraced_args({{{given}}}, {program.untraced_args!r})")
     return ModuleView(
         header,
         imports,
@@ -174,9 +162,10 @@ def build_module_view(
         return_code,
         spec_json,
         fmt.used_sync_norm,
-        any(s.op.startswith("rng.") for s in program.statements),
+        any(s.op.startswith("rng.") or s.shard_rng for s in program.statements),
         unpack,
         in_spec_json,
+        uses_checkpoint,
     )
 
 

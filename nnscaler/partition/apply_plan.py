@@ -163,6 +163,8 @@ class _Partitioner:
         self.program.input_leaves = list(self.graph.input_leaves)
         self.program.in_spec = self.graph.in_spec
         self.program.input_constants = dict(self.graph.input_constants)
+        self.program.untraced_args = dict(self.graph.untraced_args)
+        self.program.recompute = tuple(self.plan.recompute)
         self._place_tensors()
         for node in self.graph.nodes:
             self._node(node)
@@ -231,6 +233,9 @@ class _Partitioner:
             self._bias_split(node, rule.bias_input, args, kwargs, common)
         else:
             args = self._localise_args(node, args)
+            if node.op == "aten.scaled_dot_product_attention.default":
+                dropout_p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+                multi["shard_rng"] = bool(dropout_p)  # each shard of heads needs its own masks
             mean = rule.mean_scale(_call(node, self.graph)) if callable(rule.mean_scale) else rule.mean_scale
             if mean and bound.anno.flag_of(np.split) == "+":
                 tmp = self._fresh(f"{node.outputs[0]}_local")

@@ -37,6 +37,8 @@ class Statement:
     note: str = ""
     no_grad: bool = False
     tuple_output: bool = False
+    shard_rng: bool = False
+    """Run under this rank's shard generator (random ops on a sharded activation, e.g. attention dropout)."""
 
 
 @dataclass
@@ -65,6 +67,9 @@ class Program:
     """Values fed by the leaves of the flattened forward inputs (None: a constant leaf)."""
     in_spec: str = ""
     input_constants: dict[str, object] = field(default_factory=dict)
+    untraced_args: dict[str, object] = field(default_factory=dict)
+    recompute: tuple[str, ...] = ()
+    """Module paths recomputed in backward (from the plan)."""
     outputs: list[Any] = field(default_factory=list)
     out_spec: str = ""
     local_meta: dict[str, TensorMeta] = field(default_factory=dict)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from nnscaler.config import ComputeConfig
@@ -10,6 +11,7 @@ from nnscaler.graph.ir import Graph
 from nnscaler.graph.ops import annotate_node, get_rule, layouts_for
 from nnscaler.policies.builtin import pas_data, pas_dp
 from nnscaler.policies.plan import REPLICATE, NodePlan, Plan
+from nnscaler.policies.recompute import recompute_paths
 from nnscaler.policies.tp import pas_tp
 
 __all__ = [
@@ -79,4 +81,7 @@ def make_plan(graph: Graph, policy: str | Policy, cfg: ComputeConfig) -> Plan:
     if not isinstance(plan, Plan):
         raise PlanError(f"policy {name} returned {type(plan).__name__}, expected nnscaler.policies.Plan")
     validate_plan(graph, plan, cfg)
+    recompute = recompute_paths(graph, cfg.pas_config.get("recompute_modules"))
+    if recompute and not plan.recompute:
+        plan = dataclasses.replace(plan, recompute=recompute)
     return plan

@@ -33,6 +33,8 @@ class Plan:
     plan_ngpus: int
     nodes: dict[str, NodePlan] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    recompute: tuple[str, ...] = ()
+    """Module paths whose activations are recomputed in backward instead of kept (checkpointing)."""
 
     def node(self, name: str) -> NodePlan:
         return self.nodes.get(name, REPLICATE)
@@ -42,6 +44,7 @@ class Plan:
             "policy": self.policy,
             "plan_ngpus": self.plan_ngpus,
             "notes": list(self.notes),
+            "recompute": list(self.recompute),
             "nodes": {
                 k: {f: v for f, v in asdict(p).items() if v not in ("", None) or f == "split"}
                 for k, p in self.nodes.items()
@@ -53,7 +56,13 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
         nodes = {k: NodePlan(**v) for k, v in data["nodes"].items()}
-        return cls(data["policy"], data["plan_ngpus"], nodes, tuple(data.get("notes", ())))
+        return cls(
+            data["policy"],
+            data["plan_ngpus"],
+            nodes,
+            tuple(data.get("notes", ())),
+            tuple(data.get("recompute", ())),
+        )
 
     def split_summary(self) -> dict[str, int]:
         """How many nodes are split vs replicated."""

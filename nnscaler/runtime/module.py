@@ -144,6 +144,19 @@ class ParallelModule(nn.Module):
                 f"for {expected}: call it with the same nesting as the dummy inputs given to parallelize"
             )
 
+    def check_untraced_args(self, given: dict[str, Any], defaults: dict[str, Any]) -> None:
+        """Generated code calls this: arguments not given when tracing must keep their defaults."""
+        for name, value in given.items():
+            if value is defaults[name]:
+                continue
+            if isinstance(value, torch.Tensor) or value != defaults[name]:
+                shown = f"<tensor of shape {list(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)
+                raise ValueError(
+                    f"{type(self).__name__}.forward: {name}={shown} was not part of the dummy inputs when the "
+                    f"code was generated (it used the default {defaults[name]!r}); add it to dummy_forward_args "
+                    "and parallelize again"
+                )
+
     def check_constant_input(self, index: int, value: Any, traced: Any) -> None:
         """Generated code calls this: a non-tensor input was baked into the code when traced."""
         if value != traced:

@@ -10,11 +10,13 @@ generator per (device, group rank), seeded from torch.initial_seed() and the ran
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from nnscaler.runtime.comm import Group, rank_in_group
 
-__all__ = ["sharded_dropout", "shard_generator"]
+__all__ = ["sharded_dropout", "shard_generator", "shard_rng"]
 
 _GENERATORS: dict[tuple[str, int], torch.Generator] = {}
 _OFFSET = 2718  # keeps the shard streams apart from the default stream's seed
@@ -39,3 +41,29 @@ def sharded_dropout(x: torch.Tensor, p: float, training: bool, group: Group) -> 
         return torch.zeros_like(x)
     keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=shard_generator(x.device, group))
     return x * keep / (1.0 - p)
+
+
+@contextlib.contextmanager
+def shard_rng(group: Group, device: torch.device):
+    """Run random ops that act on this rank's shard (e.g. attention dropout on its heads) with the
+    shard generator as the default one, leaving the default stream exactly where it was."""
+    if group is None or torch.distributed.get_world_size(group) == 1:
+        yield
+        return
+    device = torch.device(device)
+    gen = shard_generator(device, group)
+    if device.type == "cuda":
+        saved = torch.cuda.get_rng_state(device)
+        torch.cuda.set_rng_state(gen.get_state(), device)
+    else:
+        saved = torch.get_rng_state()
+        torch.set_rng_state(gen.get_state())
+    try:
+        yield
+    finally:
+        if device.type == "cuda":
+            gen.set_state(torch.cuda.get_rng_state(device))
+            torch.cuda.set_rng_state(saved, device)
+        else:
+            gen.set_state(torch.get_rng_state())
+            torch.set_rng_state(saved)

@@ -56,6 +56,11 @@ def test_model_output_type_is_kept(tmp_path):
     out = pm(**make_batch(1, 2))
     assert type(out).__name__ == "CausalLMOutputWithPast"
     assert set(out.keys()) == {"loss", "logits"}
+    # forward arguments left at their defaults when traced stay in the signature, and are checked
+    batch = make_batch(1, 2)
+    torch.testing.assert_close(pm(**batch, attention_mask=None).loss, out.loss)
+    with pytest.raises(ValueError, match="attention_mask=.* was not part of the dummy inputs"):
+        pm(**batch, attention_mask=torch.ones(2, 16, dtype=torch.long))
 
 
 class Unannotated(nn.Module):

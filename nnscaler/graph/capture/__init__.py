@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from nnscaler.graph.capture.convert import convert_exported
-from nnscaler.graph.capture.export import check_forward_args, export_module
+from nnscaler.graph.capture.export import check_forward_args, export_module, untraced_defaults
 from nnscaler.graph.ir import Graph
 
 __all__ = ["capture", "check_forward_args", "export_module", "convert_exported"]
@@ -22,4 +22,6 @@ def capture(module: torch.nn.Module, dummy_forward_args: dict[str, Any]) -> Grap
     was_training = module.training
     ep = export_module(module, kwargs)
     module.train(was_training)
-    return convert_exported(ep, module, forward_args)
+    graph = convert_exported(ep, module, forward_args)
+    graph.untraced_args = untraced_defaults(module, forward_args)
+    return graph

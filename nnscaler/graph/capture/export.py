@@ -11,7 +11,9 @@ import torch
 
 from nnscaler.errors import TraceError
 
-__all__ = ["check_forward_args", "export_module"]
+__all__ = ["check_forward_args", "untraced_defaults", "export_module"]
+
+_LITERALS = (type(None), bool, int, float, str)
 
 
 def check_forward_args(module: torch.nn.Module, dummy_forward_args: dict[str, Any]) -> list[str]:
@@ -45,6 +47,17 @@ def check_forward_args(module: torch.nn.Module, dummy_forward_args: dict[str, An
             f"dummy_forward_args has {unknown} which {type(module).__name__}.forward{sig} does not take"
         )
     return names + unknown
+
+
+def untraced_defaults(module: torch.nn.Module, traced: list[str]) -> dict[str, Any]:
+    """Forward parameters not traced whose defaults are plain literals (kept in the generated signature)."""
+    out = {}
+    for name, p in inspect.signature(module.forward).parameters.items():
+        if name in traced or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is p.empty:
+            continue
+        if isinstance(p.default, _LITERALS):
+            out[name] = p.default
+    return out
 
 
 def _user_frame(exc: BaseException) -> str:

@@ -99,6 +99,8 @@ class Graph:
     """One entry per leaf of the flattened forward inputs: the value it feeds, or None (a constant)."""
     input_constants: dict[str, object] = field(default_factory=dict)
     """Leaf index (as a string) -> the non-tensor value traced there (baked into the code)."""
+    untraced_args: dict[str, object] = field(default_factory=dict)
+    """Forward parameters left at their (literal) defaults when traced: name -> default."""
     in_spec: str = ""
     """torch.utils._pytree treespec_dumps of ((), {forward arg: value}) as traced."""
     """Module path -> class name, for every module the trace passed through."""

@@ -83,6 +83,7 @@ def graph_to_json(graph: Graph) -> str:
         "module_classes": graph.module_classes,
         "input_leaves": graph.input_leaves,
         "in_spec": graph.in_spec,
+        "untraced_args": graph.untraced_args,
         "input_constants": {k: encode_const(v) for k, v in graph.input_constants.items()},
     }
     return json.dumps(data, indent=1)
@@ -106,5 +107,6 @@ def graph_from_json(text: str) -> Graph:
     g.module_classes = data.get("module_classes", {})
     g.input_leaves = data.get("input_leaves", [])
     g.in_spec = data.get("in_spec", "")
+    g.untraced_args = data.get("untraced_args", {})
     g.input_constants = {k: decode_const(v) for k, v in data.get("input_constants", {}).items()}
     return g
