@@ -39,26 +39,15 @@ _PASS_VIEW_RULES = {"reshape", "expand", "permute", "split", "slice_", "cat", "p
 _STOP_OPS = {"aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten.cumsum.default"}
 
 
-def _from_input(graph: Graph, value: str, depth: int = 4) -> bool:
-    """True when `value` is a forward input or a view/cast of one (token ids, not positions)."""
+def _derived_from(graph: Graph, value: str, kind: str, depth: int = 4) -> bool:
+    """True when `value` is of `kind` ('input', 'param') or a chain of one-input ops (views, casts) on one."""
     v = graph.values[value]
-    if v.kind == "input":
+    if v.kind == kind:
         return True
     if v.producer is None or depth == 0:
         return False
     node = graph.node(v.producer)
-    return len(node.input_names()) == 1 and _from_input(graph, node.input_names()[0], depth - 1)
-
-
-def _from_param(graph: Graph, value: str, depth: int = 3) -> bool:
-    """True when `value` is a parameter or a transpose/view of one (expert weights)."""
-    v = graph.values[value]
-    if v.kind == "param":
-        return True
-    if v.producer is None or depth == 0:
-        return False
-    node = graph.node(v.producer)
-    return len(node.input_names()) == 1 and _from_param(graph, node.input_names()[0], depth - 1)
+    return len(node.input_names()) == 1 and _derived_from(graph, node.input_names()[0], kind, depth - 1)
 
 
 class _Lookahead:
@@ -102,7 +91,7 @@ def pas_tp(graph: Graph, cfg: ComputeConfig) -> Plan:
         if node.op in _WEIGHTED and len(refs) > _WEIGHTED[node.op][1]:
             return _weighted(state, node, bound, refs)
         if node.op == "aten.embedding.default" and graph.values[refs[0].name].kind == "param":
-            if not _from_input(graph, refs[1].name):
+            if not _derived_from(graph, refs[1].name, "input"):  # token ids, not positions
                 return NodePlan(note="indices are not token ids from the forward's inputs: kept whole")
             if not isinstance(split_layouts(bound, "v", ways), str):
                 return NodePlan("v", ways, note="vocab-parallel")
@@ -111,7 +100,7 @@ def pas_tp(graph: Graph, cfg: ComputeConfig) -> Plan:
 
     def _weighted(state, node, bound, refs) -> NodePlan | None:
         x_idx, w_idx, k, n = _WEIGHTED[node.op]
-        if not _from_param(graph, refs[w_idx].name):
+        if not _derived_from(graph, refs[w_idx].name, "param"):  # e.g. transposed expert weights
             return None
         x_lay = state.layout(refs[x_idx].name)
         x_rank = len(graph.values[refs[x_idx].name].meta.shape)
