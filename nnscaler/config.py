@@ -63,6 +63,9 @@ class ComputeConfig:
     """User values that only take part in deciding whether generated code can be reused."""
     zero_stage: int = field(default=1, kw_only=True)
     """ZeRO stage when use_zero: 1 shards optimizer state, 2 also gradients (reduce-scatter, overlapped)."""
+    reduce_grads_in_fp32: bool = field(default=False, kw_only=True)
+    """Keep and reduce the gradients of bf16 / fp16 parameters in fp32 (the reducer's buckets); the
+    optimizer reads them from `param.main_grad`, so use MixedPrecisionAdam / MixedPrecisionAdamW."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan_ngpus, int) or self.plan_ngpus <= 0:

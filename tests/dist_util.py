@@ -87,6 +87,7 @@ def _child(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], arg
         # that, so the file times put the cause first.
         _write_atomically(_error_path(wd, rank), traceback.format_exc().encode())
         raise SystemExit(1) from None
+    dist.barrier()  # no rank tears the group down while a peer still has collectives in flight
     dist.destroy_process_group()
     _write_atomically(_result_path(wd, rank), data)
 

@@ -21,6 +21,7 @@ Only nnscaler's public API is used here: it is the contract between the harness 
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 from typing import Any
@@ -48,15 +49,21 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any], float]] = {
     # same update); SGD is not, so a few SGD runs guard the scale. Its updates are linear in the
     # gradient, so round-off stays round-off (measured ~1e-7).
     "sgd": ("SGD", {"lr": 0.1}, 1e-6),
+    # bf16 / fp16 parameters with fp32 master weights and state (run with module_dtype=...): both
+    # sides round to bf16 after every step, so they agree to bf16 precision only.
+    "mp_adamw": ("nnscaler.runtime.mixed_precision.MixedPrecisionAdamW", {"lr": 1e-3, "eps": 1e-6}, 1e-2),
 }
-"""Optimizers a parity run may use: name -> (torch.optim class name, keyword arguments, default atol
-for parameters)."""
+"""Optimizers a parity run may use: name -> (torch.optim class name, or a dotted path, keyword
+arguments, default atol for parameters)."""
 
 
 def _make_optimizer(name: str, overrides: dict[str, Any]) -> tuple[type, dict[str, Any]]:
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown parity optimizer {name!r}; known: {sorted(OPTIMIZERS)}")
     cls_name, kwargs, _ = OPTIMIZERS[name]
+    if "." in cls_name:
+        module, _, attr = cls_name.rpartition(".")
+        return getattr(importlib.import_module(module), attr), {**kwargs, **overrides}
     return getattr(torch.optim, cls_name), {**kwargs, **overrides}
 
 
@@ -93,8 +100,12 @@ def train_parallel(
     optimizer: str = "adamw",
     optimizer_kwargs: dict[str, Any] | None = None,
     config_kwargs: dict[str, Any] | None = None,
+    module_dtype: torch.dtype | None = None,
+    merge_optimizer: bool = False,
 ) -> dict[str, Any]:
-    """One rank's share of a parity run; returns its losses and (rank 0) the merged state dict."""
+    """One rank's share of a parity run; returns its losses and (rank 0) the merged state dict
+    (`merged`) and, with `merge_optimizer`, the merged optimizer state dict (`merged_optimizer`).
+    `module_dtype` is passed to parallelize (the module is cast before compiling)."""
     import nnscaler
     from nnscaler import ComputeConfig, build_optimizer, merge_state_dicts, parallelize
 
@@ -104,7 +115,7 @@ def train_parallel(
     model, make_batch = zoo.build(model_name, seed=SEED)
     dummy = make_batch(DUMMY_SEED, batch_size)
     cfg = ComputeConfig(plan_ngpus, world_size, **(config_kwargs or {}))
-    pm = parallelize(model, dummy, policy, cfg, gen_savedir=gen_savedir)
+    pm = parallelize(model, dummy, policy, cfg, gen_savedir=gen_savedir, module_dtype=module_dtype)
     opt_cls, opt_kwargs = _make_optimizer(optimizer, optimizer_kwargs or {})
     opt = build_optimizer(pm, opt_cls, **opt_kwargs)
 
@@ -120,13 +131,30 @@ def train_parallel(
         losses.append(loss.detach().float().item())
 
     state = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in pm.state_dict().items()}
+    opt_state = _cpu_tree(opt.state_dict()) if merge_optimizer else None
     states: list[Any] = [None] * world_size
-    dist.all_gather_object(states, state)
-    merged = None
+    dist.all_gather_object(states, (state, opt_state))
+    merged = merged_opt = None
     if rank == 0:
-        merged, _ = merge_state_dicts(states)
+        merged, merged_opt = merge_state_dicts(
+            [s for s, _ in states], [o for _, o in states] if merge_optimizer else None
+        )
         merged = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in merged.items()}
-    return {"rank": rank, "replica": replica, "losses": losses, "merged": merged}
+    result = {"rank": rank, "replica": replica, "losses": losses, "merged": merged}
+    if merge_optimizer:
+        result["merged_optimizer"] = merged_opt
+    return result
+
+
+def _cpu_tree(value: Any) -> Any:
+    """A copy of nested dicts / lists / tuples with every tensor detached, cloned and on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _cpu_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu_tree(v) for v in value)
+    return value
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:
@@ -149,9 +177,14 @@ def train_reference(
     batch_size: int,
     optimizer: str = "adamw",
     optimizer_kwargs: dict[str, Any] | None = None,
-) -> tuple[list[float], torch.nn.Module]:
-    """Train the single-device model on all replicas' batches at once; return losses and model."""
+    module_dtype: torch.dtype | None = None,
+    return_optimizer: bool = False,
+) -> Any:
+    """Train the single-device model on all replicas' batches at once; return losses and model (and,
+    with `return_optimizer`, the optimizer). `module_dtype`: cast the model first, as parallelize does."""
     model, make_batch = zoo.build(model_name, seed=SEED)
+    if module_dtype is not None:
+        model = model.to(module_dtype)
     opt_cls, opt_kwargs = _make_optimizer(optimizer, optimizer_kwargs or {})
     opt = opt_cls(model.parameters(), **opt_kwargs)
     losses = []
@@ -161,8 +194,8 @@ def train_reference(
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.detach().item())
-    return losses, model
+        losses.append(loss.detach().float().item())
+    return (losses, model, opt) if return_optimizer else (losses, model)
 
 
 def compare(
@@ -264,12 +297,14 @@ def run_parity(
     optimizer_kwargs: dict[str, Any] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     config_kwargs: dict[str, Any] | None = None,
+    module_dtype: torch.dtype | None = None,
 ) -> list[dict[str, Any]]:
     """Train `model_name` under `policy` with ComputeConfig(plan_ngpus, runtime_ngpus) for `steps`
     optimizer steps and assert it matches single-device training. Returns the per-rank results.
 
     `optimizer` names an entry of OPTIMIZERS; `atol` defaults to that entry's (1e-5 for AdamW,
     1e-6 for SGD); `rtol` 1e-5. Losses and parameters are compared with the same tolerances.
+    `module_dtype` (e.g. torch.bfloat16) casts both models before training (parallelize's argument).
     """
     if atol is None:
         atol = OPTIMIZERS[optimizer][2]
@@ -289,10 +324,11 @@ def run_parity(
         optimizer,
         optimizer_kwargs,
         config_kwargs,
+        module_dtype,
         timeout=timeout,
     )
     ref_losses, ref_model = train_reference(
-        model_name, runtime_ngpus // plan_ngpus, steps, batch_size, optimizer, optimizer_kwargs
+        model_name, runtime_ngpus // plan_ngpus, steps, batch_size, optimizer, optimizer_kwargs, module_dtype
     )
     policy_name = policy if isinstance(policy, str) else getattr(policy, "__name__", repr(policy))
     extra = "".join(f", {k}={v!r}" for k, v in (config_kwargs or {}).items())

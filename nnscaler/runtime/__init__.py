@@ -13,6 +13,7 @@ from nnscaler.runtime.checkpoint import (
     merge_state_dicts,
 )
 from nnscaler.runtime.device import init, runtime_device, uninit
+from nnscaler.runtime.mixed_precision import DynamicLossScaler, MixedPrecisionAdam, MixedPrecisionAdamW
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.optimizer import build_optimizer
 from nnscaler.runtime.shard import assemble_shards, shard_slice
@@ -26,6 +27,9 @@ __all__ = [
     "runtime_device",
     "build_optimizer",
     "ZeroOptimizer",
+    "MixedPrecisionAdam",
+    "MixedPrecisionAdamW",
+    "DynamicLossScaler",
     "merge_state_dicts",
     "load_merged_state_dict",
     "deduped_state_dict",

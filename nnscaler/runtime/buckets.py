@@ -11,6 +11,12 @@ bucket also holds the parameters themselves in a flat buffer (`data`) so one all
 With reduce-scatter only the owned slice is reduced; it accumulates in `shard_grads`. A `transient`
 bucket (ZeRO stage 2) allocates `grads` when the first gradient arrives and frees it once its
 reduce-scatter is taken in, so only the owned slices of the gradients stay in memory.
+
+The gradient buffers may have a wider dtype than the parameters (`grad_dtype`: fp32 copies of bf16 /
+fp16 gradients, `ComputeConfig.reduce_grads_in_fp32`): gradients are cast up as they enter the bucket
+and reduced in fp32; after an all-reduce each parameter's `.main_grad` (Megatron's name) is its fp32
+view of the bucket and `.grad` is None, so only an optimizer that reads `.main_grad`
+(`MixedPrecisionAdam(W)`) sees them.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class Bucket:
         shard_index: int,
         nshards: int,
         divisor: int,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         if size % nshards != 0:
             raise ValueError(f"bucket of {size} elements cannot be split in {nshards} shards")
@@ -61,6 +68,10 @@ class Bucket:
         self.size = size
         self.kind = (self.params[0].dtype, self.params[0].device)
         """dtype and device the buffers were made for."""
+        self.grad_dtype = grad_dtype or self.kind[0]
+        """dtype of the gradient buffers (and of the reduction)."""
+        self.upcast = self.grad_dtype != self.kind[0]
+        """Gradients are kept wider than the parameters: exposed as `.main_grad`, not `.grad`."""
         self.transient = grads is None
         """Allocate `grads` on demand and free it after each reduce-scatter (ZeRO stage 2)."""
         self.grads: torch.Tensor | None = None
@@ -98,7 +109,7 @@ class Bucket:
     def _ensure_grads(self) -> torch.Tensor:
         if self.grads is None:
             p = self.params[0]
-            self._set_grads(torch.empty(self.size, dtype=p.dtype, device=p.device))
+            self._set_grads(torch.empty(self.size, dtype=self.grad_dtype, device=p.device))
         assert self.grads is not None
         return self.grads
 
@@ -138,6 +149,22 @@ class Bucket:
     def _is_view(self, i: int, grad: torch.Tensor | None) -> bool:
         return grad is not None and bool(self.views) and grad.data_ptr() == self.views[i].data_ptr()
 
+    def _holds_reduced(self, i: int) -> bool:
+        """Whether parameter `i`'s region holds the last reduced values, still exposed to the user (new
+        local gradients are then added to them): `.grad` (or, upcast, `.main_grad`) is its view."""
+        if self.state[i] != EXPOSED:
+            return False
+        if self.upcast:
+            return bool(self.views) and getattr(self.params[i], "main_grad", None) is self.views[i]
+        return self._is_view(i, self.params[i].grad)
+
+    def _copy_in(self, view: torch.Tensor, grad: torch.Tensor) -> None:
+        """`view = grad / divisor` (cast up first when the bucket is wider, so nothing rounds in bf16)."""
+        if self.upcast:
+            view.copy_(grad).div_(self.divisor)
+        else:
+            torch.div(grad, self.divisor, out=view)  # copy and pre-divide in one pass
+
     def accept(self, i: int) -> bool:
         """Move parameter `i`'s fresh `.grad` into the bucket (a hook, after gradient accumulation).
 
@@ -151,10 +178,12 @@ class Bucket:
             view = self.views[i]
             if self.state[i] == LOCAL:
                 view.add_(grad, alpha=1 / self.divisor if self.scaled[i] else 1)
-            elif self.state[i] == EXPOSED and self._is_view(i, grad):
-                self.scaled[i] = False  # accumulated in place into the reduced values
+            elif self._holds_reduced(i):
+                if self.upcast:
+                    view.add_(grad)
+                self.scaled[i] = False  # accumulated (in place, unless upcast) into the reduced values
             else:
-                torch.div(grad, self.divisor, out=view)  # copy and pre-divide in one pass
+                self._copy_in(view, grad)
                 self.scaled[i] = True
             self.state[i] = LOCAL
             p.grad = None
@@ -171,15 +200,18 @@ class Bucket:
             if self.state[i] == LOCAL:
                 continue
             grad = p.grad
-            if grad is None:
+            if self._holds_reduced(i):
+                if self.upcast and grad is not None:
+                    _check_dense(grad)
+                    view.add_(grad)
+                self.scaled[i] = False
+            elif grad is None:
                 view.zero_()
                 self.scaled[i] = True
-            elif not self._is_view(i, grad):
-                _check_dense(grad)
-                torch.div(grad, self.divisor, out=view)
-                self.scaled[i] = True
             else:
-                self.scaled[i] = False
+                _check_dense(grad)
+                self._copy_in(view, grad)
+                self.scaled[i] = True
             self.state[i] = LOCAL
             p.grad = None
         if self.numel < self.size:
@@ -251,9 +283,12 @@ class Bucket:
         self._release_grads()
 
     def expose(self) -> None:
-        """Set every parameter's `.grad` to its view of the (reduced) bucket."""
+        """Set every parameter's `.grad` (upcast: `.main_grad`) to its view of the (reduced) bucket."""
         for i, (p, view) in enumerate(zip(self.params, self.views)):
-            p.grad = view
+            if self.upcast:
+                p.grad, p.main_grad = None, view  # type: ignore[attr-defined]
+            else:
+                p.grad = view
             self.state[i] = EXPOSED
 
     def owned_grads(self) -> torch.Tensor:
@@ -268,6 +303,8 @@ class Bucket:
         self.wait()
         for i, p in enumerate(self.params):
             p.grad = None
+            if self.upcast:
+                p.main_grad = None  # type: ignore[attr-defined]
             self.state[i] = EMPTY
         self.arrived = [False] * len(self.params)
         self.narrived = 0
@@ -288,10 +325,12 @@ class Bucket:
 
     def nbytes(self) -> dict[str, int]:
         """Bytes this bucket holds now: full gradients, reduced gradient slice, flat parameters."""
-        size = self.params[0].element_size()
-        shard = sum(t.numel() for t in (self.shard_grads, self._scatter_out) if t is not None)
+
+        def nbytes(*tensors: torch.Tensor | None) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
         return {
-            "grads": (self.grads.numel() if self.grads is not None else 0) * size,
-            "grad_slices": shard * size,
-            "params": (self.data.numel() if self.data is not None else 0) * size,
+            "grads": nbytes(self.grads),
+            "grad_slices": nbytes(self.shard_grads, self._scatter_out),
+            "params": nbytes(self.data),
         }

@@ -23,9 +23,9 @@ from nnscaler.runtime.checkpoint_dist import (
     optimizer_state_first,
 )
 from nnscaler.runtime.module import EXTRA_STATE_FORMAT, EXTRA_STATE_KEY, ParallelModule
-from nnscaler.runtime.optimizer import optimizer_state_dict, parallel_modules, param_names
+from nnscaler.runtime.optimizer import model_param_groups, optimizer_state_dict, parallel_modules, param_names
 from nnscaler.runtime.shard import assemble_shards, local_shape, shard_slice
-from nnscaler.runtime.zero import ZERO_SLICES_KEY, ZeroOptimizer
+from nnscaler.runtime.zero import ZERO_SLICES_KEY
 
 __all__ = [
     "merge_state_dicts",
@@ -77,7 +77,9 @@ def merge_state_dicts(
     Give the state dicts of all ranks of at least one data-parallel replica (any order; extra ranks
     are fine). `optimizer_state_dicts[i]` must belong to the rank of `model_state_dicts[i]`. Tied
     weights appear under every name. Optimizer states whose tensors have the parameter's shape
-    (SGD momentum, Adam, AdamW, ...) are merged; scalar states (`step`) are copied.
+    (SGD momentum, Adam, AdamW, ...) are merged; scalar states (`step`) are copied. The fp32 master
+    weights of the mixed-precision optimizers are such a state (`"fp32_params"`, MASTER_KEY of
+    nnscaler.runtime.mixed_precision): `merged_optimizer["state"][i]["fp32_params"]` is parameter i's.
 
     Parameter order of the merged optimizer state: group by group, each parameter in the order the
     ranks list it (ranks ascending), i.e. the order in which the generated module registers them with
@@ -250,10 +252,9 @@ def _full_names(module: nn.Module) -> dict[str, tuple[ParallelModule | None, Any
 
 
 def _model_param_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
-    """The module parameters of each param group (a ZeroOptimizer's wrapped one holds slices)."""
-    if isinstance(optimizer, ZeroOptimizer):
-        return [list(optimizer.params)]
-    return [list(g["params"]) for g in optimizer.param_groups]
+    """The module parameters of each param group (a ZeroOptimizer's wrapped one holds slices, a
+    mixed-precision one fp32 masters)."""
+    return model_param_groups(optimizer)
 
 
 def load_merged_state_dict(

@@ -150,7 +150,11 @@ class ParallelModule(nn.Module):
             if value is defaults[name]:
                 continue
             if isinstance(value, torch.Tensor) or value != defaults[name]:
-                shown = f"<tensor of shape {list(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)
+                shown = (
+                    f"<tensor of shape {list(value.shape)}>"
+                    if isinstance(value, torch.Tensor)
+                    else repr(value)
+                )
                 raise ValueError(
                     f"{type(self).__name__}.forward: {name}={shown} was not part of the dummy inputs when the "
                     f"code was generated (it used the default {defaults[name]!r}); add it to dummy_forward_args "

@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nnscaler.errors import ConfigError
 from nnscaler.runtime.device import is_initialized, runtime_device
+from nnscaler.runtime.mixed_precision import MixedPrecisionOptimizer, find_mixed_precision
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.reducer import average_gradients, grad_sq_norm, scale_grads
 from nnscaler.runtime.zero import ZeroOptimizer
@@ -22,6 +24,7 @@ __all__ = [
     "sync_grads",
     "clip_gnorm",
     "optimizer_state_dict",
+    "model_param_groups",
 ]
 
 
@@ -78,11 +81,38 @@ def clip_gnorm(module: nn.Module, max_norm: float | None = None) -> float:
     return float(total)
 
 
+def model_param_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    """The module parameters of each param group, in state-dict order (a ZeroOptimizer's wrapped
+    optimizer holds slices of them, a mixed-precision one fp32 masters)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        return [list(optimizer.params)]
+    if isinstance(optimizer, MixedPrecisionOptimizer):
+        return optimizer.model_param_groups()
+    return [list(g["params"]) for g in optimizer.param_groups]
+
+
 def _add_param_names(module: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
     names = param_names(module)
-    for saved, group in zip(sd["param_groups"], opt.param_groups):
-        saved["param_names"] = [names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(group["params"])]
+    for saved, params in zip(sd["param_groups"], model_param_groups(opt)):
+        saved["param_names"] = [names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(params)]
     return sd
+
+
+def _check_fp32_grads(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """`reduce_grads_in_fp32` leaves the reduced gradients of bf16 / fp16 parameters in `.main_grad`:
+    the optimizer must read them there."""
+    for _, pm in parallel_modules(module):
+        if not getattr(pm.compute_config, "reduce_grads_in_fp32", False):
+            continue
+        low = [p for p in pm.parameters_for_optimizer() if p.requires_grad and p.element_size() < 4]
+        inner = getattr(optimizer, "inner", optimizer)
+        if low and not getattr(inner, "reads_main_grad", False):
+            raise ConfigError(
+                f"ComputeConfig.reduce_grads_in_fp32=True keeps the reduced gradients of "
+                f"{type(pm).__name__}'s {low[0].dtype} parameters in fp32 `param.main_grad`, which "
+                f"{type(inner).__name__} does not read: use nnscaler.runtime.MixedPrecisionAdam / "
+                "MixedPrecisionAdamW (or set reduce_grads_in_fp32=False)"
+            )
 
 
 def optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -105,6 +135,10 @@ def build_optimizer(
     When a ParallelModule runs with ZeRO (`ComputeConfig.use_zero`), the result is a
     `nnscaler.runtime.zero.ZeroOptimizer`: `optimizer_fn` then gets this rank's slices of the
     parameters (1-D views), so it must be a per-element optimizer with one param group.
+
+    With a mixed-precision optimizer (`MixedPrecisionAdam(W)`, nnscaler.runtime.mixed_precision)
+    `clip_gnorm` reports the norm of the unscaled gradients and defers the clipping to the step's
+    fp32 cast (nothing is scaled in bf16 / fp16).
     """
     if isinstance(module, ParallelModule):
         params: list[nn.Parameter] = module.parameters_for_optimizer()
@@ -121,15 +155,28 @@ def build_optimizer(
             average_gradients(outer, _world())
         synced["outer"] = False
 
+    built: list[torch.optim.Optimizer] = []
+
     def clip(max_norm: float | None = None) -> float:
-        norm = clip_gnorm(module, max_norm)
+        mp = find_mixed_precision(built[0]) if built else None
+        if mp is None:
+            norm = clip_gnorm(module, max_norm)
+        else:  # the gradients are still scaled by the loss scale; clipping happens at the fp32 cast
+            norm = clip_gnorm(module, None) * mp.grad_multiplier
+            if max_norm is not None:
+                mp.multiply_grads(min(1.0, max_norm / (norm + 1e-6)))
         synced["outer"] = True
         return norm
 
     if any(pm.reducer is not None and pm.reducer.zero for _, pm in parallel_modules(module)):
-        return ZeroOptimizer(module, params, optimizer_fn, sync, clip, lambda: param_names(module), **kwargs)
+        zero = ZeroOptimizer(module, params, optimizer_fn, sync, clip, lambda: param_names(module), **kwargs)
+        _check_fp32_grads(module, zero)
+        built.append(zero)
+        return zero
 
     optimizer = optimizer_fn(params, **kwargs)
+    _check_fp32_grads(module, optimizer)
+    built.append(optimizer)
 
     def add_names(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
         return _add_param_names(module, opt, sd)

@@ -23,6 +23,7 @@ __all__ = [
     "zero_groups",
     "make_buckets",
     "average_gradients",
+    "param_grad",
     "grad_sq_norm",
     "first_holders",
     "scale_grads",
@@ -82,12 +83,20 @@ def average_gradients(
             grad.copy_(synced)
 
 
+def param_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient an optimizer reads for `p`: `p.main_grad` (fp32, set by a reducer with
+    `reduce_grads_in_fp32`) when present, else `p.grad`."""
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad
+
+
 def grad_sq_norm(params: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
     """Sum of squared gradient entries of `params` (fp32 scalar; parameters without grad count 0)."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
-        if p.grad is not None:
-            total = total + p.grad.detach().float().pow(2).sum().to(total.device)
+        grad = param_grad(p)
+        if grad is not None:
+            total = total + grad.detach().float().pow(2).sum().to(total.device)
     return total
 
 
@@ -113,8 +122,8 @@ def scale_grads(params: Sequence[torch.Tensor], max_norm: float, total_norm: tor
     """Scale gradients by `min(1, max_norm / (total_norm + 1e-6))`, as `torch.nn.utils.clip_grad_norm_`."""
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for p in params:
-        if p.grad is not None:
-            p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+        for grad in {id(g): g for g in (p.grad, getattr(p, "main_grad", None)) if g is not None}.values():
+            grad.detach().mul_(coef.to(grad.device, grad.dtype))
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,6 +163,9 @@ class Reducer:
     `cross_group`, the ranks with the same index in the other ZeRO groups) instead of all-reduce.
     `stage` 2 also shards the gradients: reduce-scatter as soon as a bucket is full, and only the
     owned slice is kept (the full bucket is freed once reduced).
+
+    `grad_dtype` (e.g. fp32): the buckets of lower-precision parameters hold their gradients in this
+    dtype and reduce them in it; the reduced gradients are then `param.main_grad` (see buckets.py).
     """
 
     def __init__(
@@ -167,6 +179,7 @@ class Reducer:
         cross_group: dist.ProcessGroup | None = None,
         scatter: bool = False,
         stage: int = 1,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage {stage} is not supported by the reducer (1 or 2)")
@@ -192,11 +205,18 @@ class Reducer:
         for b, size in zip(groups, sizes):
             totals[(b[0].dtype, b[0].device)] = totals.get((b[0].dtype, b[0].device), 0) + size
 
-        def flat() -> dict[tuple[torch.dtype, torch.device], torch.Tensor]:
-            return {k: torch.zeros(n, dtype=k[0], device=k[1]) for k, n in totals.items()}
+        def wide(dtype: torch.dtype) -> torch.dtype:
+            if grad_dtype is None or torch.finfo(dtype).bits >= torch.finfo(grad_dtype).bits:
+                return dtype
+            return grad_dtype
 
-        grads = flat() if self.stage < 2 else {}
-        data = flat() if self.zero else {}
+        def flat(grad: bool) -> dict[tuple[torch.dtype, torch.device], torch.Tensor]:
+            return {
+                k: torch.zeros(n, dtype=wide(k[0]) if grad else k[0], device=k[1]) for k, n in totals.items()
+            }
+
+        grads = flat(grad=True) if self.stage < 2 else {}
+        data = flat(grad=False) if self.zero else {}
         used = dict.fromkeys(totals, 0)
         self.buckets: list[Bucket] = []
         for b, size in zip(groups, sizes):
@@ -204,11 +224,20 @@ class Reducer:
             o, used[key] = used[key], used[key] + size
             g = grads[key][o : o + size] if grads else None
             bucket = Bucket(
-                b, size, g, data[key][o : o + size] if data else None, index, nshards, self.dp_size
+                b,
+                size,
+                g,
+                data[key][o : o + size] if data else None,
+                index,
+                nshards,
+                self.dp_size,
+                grad_dtype=wide(key[0]),
             )
             if self.zero:
                 bucket.adopt_data()
             self.buckets.append(bucket)
+        self.upcast = any(b.upcast for b in self.buckets)
+        """Some gradients are kept wider than their parameters (in `.main_grad`, see buckets.py)."""
         self._hooks = []
         if self.async_op:
             for bucket in self.buckets:
@@ -377,8 +406,9 @@ def build_reducer(
     """The reducer of a ParallelModule from its `compute_config` (None: defaults); None with one replica.
 
     Reads `reducer_bucket_cap_mb`, `use_async_reducer`, `use_zero`, `zero_ngroups`,
-    `zero_use_reduce_scatter` and (when present) `zero_stage`. Under ZeRO it creates the ZeRO groups of
-    every data-parallel group: every rank must build its reducers at the same point, in the same order.
+    `zero_use_reduce_scatter` and (when present) `zero_stage` and `reduce_grads_in_fp32`. Under ZeRO it
+    creates the ZeRO groups of every data-parallel group: every rank must build its reducers at the
+    same point, in the same order.
     """
     if dp_group is None:
         return None
@@ -409,6 +439,7 @@ def build_reducer(
         cross_group=cross_group,
         scatter=config is not None and config.zero_use_reduce_scatter,
         stage=stage,
+        grad_dtype=torch.float32 if getattr(config, "reduce_grads_in_fp32", False) else None,
     )
 
 

@@ -5,7 +5,9 @@ user's optimizer, built over `ZeroPiece.param`s: for each parameter, the part th
 rank's slice of its gradient bucket (a 1-D view of the flat parameter buffer). A step syncs the
 gradients, points each piece's `.grad` at its reduced slice, steps the wrapped optimizer, and
 all-gathers the parameters within the ZeRO group. Per-element optimizers (SGD, Adam, AdamW, ...)
-give the same result as on whole parameters.
+give the same result as on whole parameters. A mixed-precision optimizer (`MixedPrecisionAdamW`, ...)
+keeps fp32 masters of the slices only; where the gradient buckets are wider than the parameters
+(`reduce_grads_in_fp32`) a piece's reduced gradient is its `.main_grad`, not its `.grad`.
 
 State dicts are indexed like a plain optimizer's over `module.parameters()` (the order `build_optimizer`
 uses) and list `param_names`; a ZeRO state dict adds `zero_slices`: for each parameter `[start, end]`,
@@ -111,12 +113,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for key in ("param_groups", "state", "defaults"):
             self.__dict__.pop(f"_own_{key}", None)
         self.__dict__["inner"] = inner
+        watch = getattr(inner, "watch_versions", None)
+        if watch is not None:  # a parameter loaded in place (not the piece) must refresh the fp32 master
+            for z in self._pieces:
+                watch(z.param, z.source)
 
     # ---- training ------------------------------------------------------------------------------------
 
     def _attach_grads(self) -> None:
         for z in self._pieces:
-            z.param.grad = z.grad()
+            grad = z.grad()
+            if grad.dtype == z.param.dtype:
+                z.param.grad = grad
+            else:  # fp32 buckets of bf16 / fp16 parameters: the optimizer reads .main_grad
+                z.param.grad, z.param.main_grad = None, grad  # type: ignore[attr-defined]
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
         """Sync gradients, step the wrapped optimizer on this rank's slice, all-gather the parameters."""
@@ -130,8 +140,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._sync()
         self._attach_grads()
         self.inner.step()
-        for pm in self._pms:
-            pm.gather_params()
+        if not getattr(self.inner, "step_skipped", False):  # a skipped (inf / nan) step changed nothing
+            for pm in self._pms:
+                pm.gather_params()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
