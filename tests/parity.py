@@ -67,7 +67,9 @@ def _make_optimizer(name: str, overrides: dict[str, Any]) -> tuple[type, dict[st
     return getattr(torch.optim, cls_name), {**kwargs, **overrides}
 
 
-def _batch_seed(step: int, replica: int) -> int:
+def _batch_seed(step: int, replica: int, micro: int | None = None) -> int:
+    if micro is not None:  # end-to-end mode: several micro-batches per step
+        return (step * 100 + replica) * 100 + micro
     return step * 100 + replica
 
 
@@ -102,10 +104,12 @@ def train_parallel(
     config_kwargs: dict[str, Any] | None = None,
     module_dtype: torch.dtype | None = None,
     merge_optimizer: bool = False,
+    nmicros: int | None = None,
 ) -> dict[str, Any]:
     """One rank's share of a parity run; returns its losses and (rank 0) the merged state dict
     (`merged`) and, with `merge_optimizer`, the merged optimizer state dict (`merged_optimizer`).
-    `module_dtype` is passed to parallelize (the module is cast before compiling)."""
+    `module_dtype` is passed to parallelize (the module is cast before compiling). `nmicros`: end-to-end
+    mode, each step is `pm.train_step(micro_batches)` over that many micro-batches (losses per micro-batch)."""
     import nnscaler
     from nnscaler import ComputeConfig, build_optimizer, merge_state_dicts, parallelize
 
@@ -123,6 +127,15 @@ def train_parallel(
     replica = rank // plan_ngpus
     losses = []
     for step in range(steps):
+        if nmicros is not None:
+            micro = [
+                _to(make_batch(_batch_seed(step, replica, m), batch_size), device) for m in range(nmicros)
+            ]
+            step_losses = pm.train_step(micro)
+            opt.step()
+            opt.zero_grad()
+            losses.extend(float(x) for x in step_losses)
+            continue
         batch = _to(make_batch(_batch_seed(step, replica), batch_size), device)
         loss = zoo.extract_loss(pm(**batch))
         loss.backward()
@@ -179,9 +192,11 @@ def train_reference(
     optimizer_kwargs: dict[str, Any] | None = None,
     module_dtype: torch.dtype | None = None,
     return_optimizer: bool = False,
+    nmicros: int | None = None,
 ) -> Any:
     """Train the single-device model on all replicas' batches at once; return losses and model (and,
-    with `return_optimizer`, the optimizer). `module_dtype`: cast the model first, as parallelize does."""
+    with `return_optimizer`, the optimizer). `module_dtype`: cast the model first, as parallelize does.
+    `nmicros`: gradient accumulation over that many micro-batches per step (one loss each)."""
     model, make_batch = zoo.build(model_name, seed=SEED)
     if module_dtype is not None:
         model = model.to(module_dtype)
@@ -189,12 +204,14 @@ def train_reference(
     opt = opt_cls(model.parameters(), **opt_kwargs)
     losses = []
     for step in range(steps):
-        batch = _cat_batches([make_batch(_batch_seed(step, k), batch_size) for k in range(num_replicas)])
-        loss = zoo.extract_loss(model(**batch))
-        loss.backward()
+        for m in range(nmicros or 1):
+            seeds = [_batch_seed(step, k, m if nmicros else None) for k in range(num_replicas)]
+            batch = _cat_batches([make_batch(seed, batch_size) for seed in seeds])
+            loss = zoo.extract_loss(model(**batch))
+            loss.backward()  # micro-batch gradients add up
+            losses.append(loss.detach().float().item())
         opt.step()
         opt.zero_grad()
-        losses.append(loss.detach().float().item())
     return (losses, model, opt) if return_optimizer else (losses, model)
 
 
@@ -298,6 +315,7 @@ def run_parity(
     timeout: float = DEFAULT_TIMEOUT,
     config_kwargs: dict[str, Any] | None = None,
     module_dtype: torch.dtype | None = None,
+    nmicros: int | None = None,
 ) -> list[dict[str, Any]]:
     """Train `model_name` under `policy` with ComputeConfig(plan_ngpus, runtime_ngpus) for `steps`
     optimizer steps and assert it matches single-device training. Returns the per-rank results.
@@ -305,6 +323,8 @@ def run_parity(
     `optimizer` names an entry of OPTIMIZERS; `atol` defaults to that entry's (1e-5 for AdamW,
     1e-6 for SGD); `rtol` 1e-5. Losses and parameters are compared with the same tolerances.
     `module_dtype` (e.g. torch.bfloat16) casts both models before training (parallelize's argument).
+    `nmicros`: end-to-end mode (pass use_end2end=True in config_kwargs): each step is one
+    `train_step` over `nmicros` micro-batches, against single-device gradient accumulation over them.
     """
     if atol is None:
         atol = OPTIMIZERS[optimizer][2]
@@ -325,10 +345,19 @@ def run_parity(
         optimizer_kwargs,
         config_kwargs,
         module_dtype,
+        False,
+        nmicros,
         timeout=timeout,
     )
     ref_losses, ref_model = train_reference(
-        model_name, runtime_ngpus // plan_ngpus, steps, batch_size, optimizer, optimizer_kwargs, module_dtype
+        model_name,
+        runtime_ngpus // plan_ngpus,
+        steps,
+        batch_size,
+        optimizer,
+        optimizer_kwargs,
+        module_dtype,
+        nmicros=nmicros,
     )
     policy_name = policy if isinstance(policy, str) else getattr(policy, "__name__", repr(policy))
     extra = "".join(f", {k}={v!r}" for k, v in (config_kwargs or {}).items())

@@ -74,10 +74,12 @@ def build_mlp(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
 # ---------------------------------------------------------------------------------------------
 # gpt (nanoGPT-style, in the repo)
 # ---------------------------------------------------------------------------------------------
-def build_gpt(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
+def build_gpt(seed: int = 0, n_layer: int = 2) -> tuple[nn.Module, MakeBatch]:
     from examples.nanogpt.model import GPT, GPTConfig
 
-    config = GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=4, n_embd=64, dropout=0.0, bias=True)
+    config = GPTConfig(
+        block_size=32, vocab_size=128, n_layer=n_layer, n_head=4, n_embd=64, dropout=0.0, bias=True
+    )
     torch.manual_seed(seed)
     model = GPT(config)
     return model.train(), _token_batch(config.vocab_size, 16, "idx", "targets", shift=True)
@@ -98,14 +100,14 @@ def _settle_model(model: nn.Module) -> nn.Module:
     return model.float().train()
 
 
-def build_llama(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
+def build_llama(seed: int = 0, num_hidden_layers: int = 2) -> tuple[nn.Module, MakeBatch]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
@@ -328,6 +330,9 @@ MODELS: dict[str, Callable[[int], tuple[nn.Module, MakeBatch]]] = {
     "vit": build_vit,
     "cnn": build_cnn,
     "userops": build_userops,
+    # deeper versions for pipelines: enough layers for 8 (virtual) stages
+    "gpt_deep": lambda seed=0: build_gpt(seed, n_layer=8),
+    "llama_deep": lambda seed=0: build_llama(seed, num_hidden_layers=8),
 }
 """Builders by name; each takes a seed and returns (model, make_batch)."""
 

@@ -6,13 +6,22 @@ import json
 from dataclasses import dataclass, field
 
 from nnscaler.codegen.expr import Formatter
+from nnscaler.codegen.schedule_code import plain_infer_lines, plain_train_lines
 from nnscaler.codegen.sections import build_sections
 from nnscaler.config import ComputeConfig
 from nnscaler.graph.ir import Replicate, Shard, iter_refs
 from nnscaler.graph.ops import op_module
 from nnscaler.partition import Program, Statement
 
-__all__ = ["ShardLine", "CodeLine", "Section", "ModuleView", "build_module_view"]
+__all__ = [
+    "ShardLine",
+    "CodeLine",
+    "Section",
+    "StageView",
+    "ModuleView",
+    "build_module_view",
+    "end2end_attrs",
+]
 
 
 @dataclass
@@ -41,6 +50,19 @@ class Section:
 
 
 @dataclass
+class StageView:
+    """One pipeline stage's method: `stage{index}(self, x, *received)`."""
+
+    index: int
+    params: str
+    doc: str
+    reads: list[str]
+    """Lines taking the stage's traced inputs out of the micro-batch dict x."""
+    sections: list[Section]
+    return_code: str
+
+
+@dataclass
 class ModuleView:
     header: list[str]
     imports: list[str]
@@ -58,6 +80,18 @@ class ModuleView:
     """Lines that take tensors out of nested or non-tensor forward arguments."""
     in_spec_json: str | None = None
     uses_checkpoint: bool = False
+    class_attrs: list[str] = field(default_factory=list)
+    """Extra class attribute lines (end-to-end mode and pipelines)."""
+    tied: list[str] = field(default_factory=list)
+    """`add_tied` lines: weights whose gradients are summed across pipeline stages."""
+    stages: list[StageView] = field(default_factory=list)
+    """Pipeline stage methods (then `forward` only explains how to call the module)."""
+    input_names: list[str] = field(default_factory=list)
+    """Pipelines: the traced input values `micro_batch_inputs` returns."""
+    train_step: list[str] = field(default_factory=list)
+    """End-to-end mode: the body of `_train_step` (empty: no end-to-end functions)."""
+    infer_step: list[str] = field(default_factory=list)
+    schedule_doc: str = ""
 
 
 def _shard_arg(layout, tp_index: int, ways: int) -> str:
@@ -150,7 +184,7 @@ def build_module_view(
     if program.untraced_args:
         given = ", ".join(f'"{k}": {k}' for k in program.untraced_args)
         unpack.insert(0, f"self.check_untraced_args({{{given}}}, {program.untraced_args!r})")
-    return ModuleView(
+    view = ModuleView(
         header,
         imports,
         rank,
@@ -167,6 +201,24 @@ def build_module_view(
         in_spec_json,
         uses_checkpoint,
     )
+    if cfg.use_end2end:
+        view.class_attrs = end2end_attrs(program.forward_args, 1, rank)
+        view.train_step, view.infer_step = plain_train_lines(), plain_infer_lines()
+        view.schedule_doc = (
+            "End-to-end mode without pipeline stages: forward and backward of each micro-batch in turn."
+        )
+    return view
+
+
+def end2end_attrs(
+    forward_args: list[str], nmicros: int, last_stage_rank: int, pipelined: bool = False
+) -> list[str]:
+    return [
+        f"use_scheduler = {pipelined}",
+        f"nmicros_per_scheduler_step = {nmicros}",
+        f"forward_args = {tuple(forward_args)!r}",
+        f"last_stage_rank = {last_stage_rank}  # holds the losses of a train_step",
+    ]
 
 
 def _unpack_inputs(program: Program) -> tuple[list[str], str | None]:

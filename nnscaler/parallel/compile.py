@@ -14,7 +14,7 @@ from nnscaler.config import ComputeConfig
 from nnscaler.graph.capture import capture
 from nnscaler.graph.ir import Graph, graph_from_json, graph_to_json
 from nnscaler.parallel.unannotated import check_unannotated
-from nnscaler.partition import apply_plan
+from nnscaler.partition import apply_pipeline, apply_plan
 from nnscaler.policies import make_plan, resolve_policy
 
 __all__ = ["CompileResult", "compile_module"]
@@ -54,7 +54,7 @@ def compile_module(
     write_atomic(outdir / "plan.json", plan.to_json())
     seconds["plan"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    program = apply_plan(graph, plan)
+    program = apply_pipeline(graph, plan) if plan.pipeline else apply_plan(graph, plan)
     seconds["partition"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     full_shapes = {k: v.meta.shape for k, v in graph.values.items() if v.meta is not None}

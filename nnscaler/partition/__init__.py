@@ -2,10 +2,14 @@
 
 from nnscaler.partition.apply_plan import apply_plan, local_shape
 from nnscaler.partition.convert import GROUP, conversion_steps
+from nnscaler.partition.pipeline import PipelineProgram, StageProgram, apply_pipeline
 from nnscaler.partition.program import LocalTensor, Program, RankScaled, Statement
 
 __all__ = [
     "apply_plan",
+    "apply_pipeline",
+    "PipelineProgram",
+    "StageProgram",
     "local_shape",
     "GROUP",
     "conversion_steps",

@@ -1,4 +1,4 @@
-"""Policies: functions (graph, compute_config) -> Plan. Built-ins: dp, data, tp."""
+"""Policies: functions (graph, compute_config) -> Plan. Built-ins: dp, data, tp, pp, hybrid."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
 from nnscaler.graph.ops import annotate_node, get_rule, layouts_for
 from nnscaler.policies.builtin import pas_data, pas_dp
-from nnscaler.policies.plan import REPLICATE, NodePlan, Plan
+from nnscaler.policies.pipeline import check_end2end_loss, pas_hybrid, pas_pp, validate_pipeline
+from nnscaler.policies.plan import REPLICATE, NodePlan, PipelinePlan, Plan
 from nnscaler.policies.recompute import recompute_paths
 from nnscaler.policies.tp import pas_tp
 
 __all__ = [
     "NodePlan",
+    "PipelinePlan",
     "Plan",
     "REPLICATE",
     "BUILTIN_POLICIES",
@@ -26,7 +28,13 @@ __all__ = [
 
 Policy = Callable[[Graph, ComputeConfig], Plan]
 
-BUILTIN_POLICIES: dict[str, Policy] = {"dp": pas_dp, "data": pas_data, "tp": pas_tp}
+BUILTIN_POLICIES: dict[str, Policy] = {
+    "dp": pas_dp,
+    "data": pas_data,
+    "tp": pas_tp,
+    "pp": pas_pp,
+    "hybrid": pas_hybrid,
+}
 
 
 def resolve_policy(policy: str | Policy) -> tuple[str, Policy]:
@@ -49,6 +57,8 @@ def validate_plan(graph: Graph, plan: Plan, cfg: ComputeConfig) -> None:
         raise PlanError(
             f"plan is for {plan.plan_ngpus} devices but ComputeConfig.plan_ngpus is {cfg.plan_ngpus}"
         )
+    validate_pipeline(graph, plan, cfg)
+    ways = plan.tp_size
     names = {n.name for n in graph.nodes}
     unknown = sorted(set(plan.nodes) - names)
     if unknown:
@@ -57,10 +67,11 @@ def validate_plan(graph: Graph, plan: Plan, cfg: ComputeConfig) -> None:
         np = plan.node(node.name)
         if np.split is None or np.ways == 1:
             continue
-        if np.ways != cfg.plan_ngpus:
+        if np.ways != ways:
+            where = "the devices of its pipeline stage" if plan.pipeline else "plan devices"
             raise PlanError(
                 f"node {node.name} ({node.op}, {node.source}) is split {np.ways} ways; splits must use all "
-                f"{cfg.plan_ngpus} plan devices"
+                f"{ways} {where}"
             )
         bound = annotate_node(node, graph)
         if bound is None:
@@ -77,6 +88,8 @@ def validate_plan(graph: Graph, plan: Plan, cfg: ComputeConfig) -> None:
 
 def make_plan(graph: Graph, policy: str | Policy, cfg: ComputeConfig) -> Plan:
     name, fn = resolve_policy(policy)
+    if cfg.use_end2end:
+        check_end2end_loss(graph)
     plan = fn(graph, cfg)
     if not isinstance(plan, Plan):
         raise PlanError(f"policy {name} returned {type(plan).__name__}, expected nnscaler.policies.Plan")

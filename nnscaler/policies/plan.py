@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["NodePlan", "Plan", "REPLICATE"]
+__all__ = ["NodePlan", "PipelinePlan", "Plan", "REPLICATE", "SCHEDULERS"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,43 @@ class NodePlan:
 REPLICATE = NodePlan()
 
 
+SCHEDULERS = ("gpipe", "1f1b", "1f1b_interleaved")
+"""Pipeline schedules the runtime can run (see nnscaler.policies.schedules)."""
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Pipeline stages over the plan devices.
+
+    starts: the first node of every stage (stage 0 starts at the graph's first node); stages are
+      consecutive runs of nodes.
+    pp_size: device groups; stage s runs on group s % pp_size, i.e. plan devices
+      [g * tp_size, (g + 1) * tp_size) with tp_size = plan_ngpus // pp_size. More stages than groups
+      are virtual stages (1f1b_interleaved).
+    nmicros: micro-batches per train_step.
+    """
+
+    starts: tuple[str, ...]
+    pp_size: int
+    nmicros: int
+    scheduler: str = "1f1b"
+    pivots: tuple[str, ...] = ()
+    """Module classes stages were allowed to start at (for people reading the plan)."""
+
+    @property
+    def nstages(self) -> int:
+        return len(self.starts)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "starts": list(self.starts), "pivots": list(self.pivots)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PipelinePlan:
+        return cls(
+            tuple(data["starts"]), data["pp_size"], data["nmicros"], data["scheduler"], tuple(data["pivots"])
+        )
+
+
 @dataclass(frozen=True)
 class Plan:
     """Per-node splits over the plan devices of one data-parallel replica."""
@@ -35,6 +72,13 @@ class Plan:
     notes: tuple[str, ...] = ()
     recompute: tuple[str, ...] = ()
     """Module paths whose activations are recomputed in backward instead of kept (checkpointing)."""
+    pipeline: PipelinePlan | None = None
+    """Pipeline stages and schedule; None: one stage on all plan devices."""
+
+    @property
+    def tp_size(self) -> int:
+        """Devices each stage is split over (all plan devices without a pipeline)."""
+        return self.plan_ngpus // self.pipeline.pp_size if self.pipeline else self.plan_ngpus
 
     def node(self, name: str) -> NodePlan:
         return self.nodes.get(name, REPLICATE)
@@ -45,6 +89,7 @@ class Plan:
             "plan_ngpus": self.plan_ngpus,
             "notes": list(self.notes),
             "recompute": list(self.recompute),
+            "pipeline": self.pipeline.to_dict() if self.pipeline else None,
             "nodes": {
                 k: {f: v for f, v in asdict(p).items() if v not in ("", None) or f == "split"}
                 for k, p in self.nodes.items()
@@ -62,6 +107,7 @@ class Plan:
             nodes,
             tuple(data.get("notes", ())),
             tuple(data.get("recompute", ())),
+            PipelinePlan.from_dict(data["pipeline"]) if data.get("pipeline") else None,
         )
 
     def split_summary(self) -> dict[str, int]:

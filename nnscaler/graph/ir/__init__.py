@@ -3,6 +3,7 @@
 from nnscaler.graph.ir.graph import Graph, Node, Ref, TensorMeta, Value, iter_refs, map_refs
 from nnscaler.graph.ir.layout import Layout, Partial, Replicate, Shard, layout_from_json, layout_to_json
 from nnscaler.graph.ir.serialize import decode_const, encode_const, graph_from_json, graph_to_json
+from nnscaler.graph.ir.subgraph import Piece, cut_graph
 from nnscaler.graph.ir.verify import verify
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "encode_const",
     "decode_const",
     "verify",
+    "Piece",
+    "cut_graph",
     "Layout",
     "Partial",
     "Replicate",

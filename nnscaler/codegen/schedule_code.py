@@ -1,0 +1,94 @@
+"""The body of a rank's `_train_step` / `_infer_step`: its schedule written out, one call per line."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from nnscaler.policies.schedules import Action, forward_order, group_actions
+
+__all__ = ["pipeline_train_lines", "pipeline_infer_lines", "plain_train_lines", "plain_infer_lines"]
+
+
+def _forward_lines(a: Action, nstages: int, rank_of: Callable[[int], int], keep: bool = True) -> list[str]:
+    """keep: store inputs and outputs under (stage, micro-batch) for the backward."""
+    s, m = a.stage, a.micro
+    act, out = (f"a[{s}, {m}]", f"y[{s}, {m}]") if keep else ("a", "y")
+    lines = [f"# forward: stage {s}, micro-batch {m}"]
+    if s > 0:
+        lines.append(f"{act} = pipe.recv_forward({s}, {m}, src={rank_of(s - 1)})  # stage {s - 1}'s outputs")
+        lines.append(f"{out} = model.stage{s}(x[{m}], *{act})")
+    else:
+        lines.append(f"{out} = model.stage{s}(x[{m}])")
+    if s + 1 < nstages:
+        lines.append(f"pipe.send_forward({out}, {s}, {m}, dst={rank_of(s + 1)})  # to stage {s + 1}")
+    else:
+        lines.append(f"pipe.loss({out}, {m})")
+    return lines
+
+
+def _backward_lines(a: Action, nstages: int, rank_of: Callable[[int], int]) -> list[str]:
+    s, m = a.stage, a.micro
+    lines = [f"# backward: stage {s}, micro-batch {m}"]
+    if s + 1 < nstages:
+        lines.append(f"g = pipe.recv_backward({s}, {m}, src={rank_of(s + 1)})  # gradients of the outputs")
+        lines.append(f"pipe.backward(y.pop(({s}, {m})), g)")
+    else:
+        lines.append(f"pipe.backward_loss(y.pop(({s}, {m})), {m})")
+    if s > 0:
+        lines.append(
+            f"pipe.send_backward(a.pop(({s}, {m})), {s}, {m}, dst={rank_of(s - 1)})  # to stage {s - 1}"
+        )
+    return lines
+
+
+def _prologue(train: bool) -> list[str]:
+    args = "train=True, scale_fn=scale_fn, is_dummy_batch=is_dummy_batch" if train else "train=False"
+    lines = [
+        f"pipe = PipelineStep(model, samples, {args})",
+        "x = [model.micro_batch_inputs(**kwargs) for kwargs in pipe.kwargs]  # traced inputs per micro-batch",
+    ]
+    if train:
+        lines += [
+            "a = {}  # (stage, micro-batch) -> activations received from the previous stage",
+            "y = {}  # (stage, micro-batch) -> outputs, kept until their backward",
+        ]
+    return lines
+
+
+def pipeline_train_lines(
+    scheduler: str, nstages: int, pp_size: int, nmicros: int, group: int, rank_of: Callable[[int], int]
+) -> list[str]:
+    lines = _prologue(True)
+    for action in group_actions(scheduler, nstages, pp_size, nmicros, group):
+        make = _forward_lines if action.kind == "F" else _backward_lines
+        lines += make(action, nstages, rank_of)
+    return lines + ["return pipe.finish()"]
+
+
+def pipeline_infer_lines(
+    scheduler: str, nstages: int, pp_size: int, nmicros: int, group: int, rank_of: Callable[[int], int]
+) -> list[str]:
+    lines = _prologue(False)
+    for action in forward_order(scheduler, nstages, pp_size, nmicros, group):
+        lines += _forward_lines(action, nstages, rank_of, keep=False)
+    return lines + ["return pipe.finish()"]
+
+
+def plain_train_lines() -> list[str]:
+    return [
+        "pipe = PipelineStep(model, samples, train=True, scale_fn=scale_fn, is_dummy_batch=is_dummy_batch)",
+        "for micro, kwargs in enumerate(pipe.kwargs):",
+        "    outputs = pytree.tree_leaves(model(**kwargs))",
+        "    pipe.loss(outputs, micro)",
+        "    pipe.backward_loss(outputs, micro)",
+        "return pipe.finish()",
+    ]
+
+
+def plain_infer_lines() -> list[str]:
+    return [
+        "pipe = PipelineStep(model, samples, train=False)",
+        "for micro, kwargs in enumerate(pipe.kwargs):",
+        "    pipe.loss(pytree.tree_leaves(model(**kwargs)), micro)",
+        "return pipe.finish()",
+    ]

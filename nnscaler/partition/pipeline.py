@@ -1,0 +1,92 @@
+"""Pipeline partition: one SPMD program per stage, with the activations each stage receives and sends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nnscaler.errors import PartitionError
+from nnscaler.graph.ir import Graph, TensorMeta, cut_graph
+from nnscaler.partition.apply_plan import apply_plan
+from nnscaler.partition.program import Program
+from nnscaler.policies import PipelinePlan, Plan
+
+__all__ = ["StageProgram", "PipelineProgram", "apply_pipeline"]
+
+
+@dataclass
+class StageProgram:
+    """What the devices of one stage run for one micro-batch.
+
+    received: activations from the previous stage (full tensors, in this order); graph_inputs: the
+    forward inputs it reads from the micro-batch; program.outputs: what it sends to the next stage
+    (the last stage: the forward's flat outputs, loss first).
+    """
+
+    index: int
+    program: Program
+    received: list[str]
+    graph_inputs: list[str]
+    received_meta: list[TensorMeta]
+    sent_meta: list[TensorMeta | None]
+    modules: tuple[str, str] = ("", "")
+    """Module paths of its first and last op (for comments)."""
+
+
+@dataclass
+class PipelineProgram:
+    pipeline: PipelinePlan
+    tp_size: int
+    stages: list[StageProgram]
+    inputs: Program
+    """Forward-signature information of the whole graph (how a micro-batch is unpacked); no statements."""
+    param_stages: dict[str, list[int]] = field(default_factory=dict)
+    """Parameter / buffer name -> the stages that use it (more than one: tied across stages)."""
+
+
+def _shell(graph: Graph) -> Program:
+    return Program(
+        ways=1,
+        forward_args=list(graph.forward_args),
+        input_leaves=list(graph.input_leaves),
+        in_spec=graph.in_spec,
+        input_constants=dict(graph.input_constants),
+        untraced_args=dict(graph.untraced_args),
+        out_spec=graph.out_spec,
+    )
+
+
+def apply_pipeline(graph: Graph, plan: Plan) -> PipelineProgram:
+    """Cut the graph at the plan's stage starts and partition each stage over its tp_size devices."""
+    pipe = plan.pipeline
+    if pipe is None:
+        raise PartitionError("apply_pipeline needs a plan with pipeline stages")
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    pieces = cut_graph(graph, [index[s] for s in pipe.starts])
+    stages = []
+    param_stages: dict[str, list[int]] = {}
+    for piece in pieces:
+        nodes = {n.name: plan.node(n.name) for n in piece.graph.nodes if n.name in plan.nodes}
+        stage_plan = Plan(plan.policy, plan.tp_size, nodes, recompute=plan.recompute)
+        program = apply_plan(piece.graph, stage_plan)
+        for name in piece.received:
+            if graph.values[name].meta is None:
+                raise PartitionError(
+                    f"stage {piece.index} would receive {name!r}, which is not a tensor; pipeline stages can only "
+                    "pass tensors (move the stage start, pas_config['pipeline_stages'])"
+                )
+        for name in piece.params:
+            param_stages.setdefault(name, []).append(piece.index)
+        sent_meta = [graph.values[r.name].meta if hasattr(r, "name") else None for r in piece.sent]
+        paths = [n.module_path for n in piece.graph.nodes if n.module_path]
+        stages.append(
+            StageProgram(
+                piece.index,
+                program,
+                list(piece.received),
+                list(piece.graph_inputs),
+                [graph.values[n].meta for n in piece.received],
+                sent_meta,
+                (paths[0], paths[-1]) if paths else ("", ""),
+            )
+        )
+    return PipelineProgram(pipe, plan.tp_size, stages, _shell(graph), param_stages)

@@ -1,0 +1,145 @@
+"""The `pp` and `hybrid` policies: pipeline stages (x tensor parallelism inside each stage).
+
+pas_config keys: `pipeline_nstages` (int or 'auto'), `pipeline_nmicros` (required),
+`pipeline_scheduler` ('1f1b' default, 'gpipe', '1f1b_interleaved'), `pipeline_pivots` (module class
+names where stages may start; default: the class of the repeated layers), `pipeline_stages` (module
+paths where stages 1.. start, instead of balancing), and for `hybrid` `pp_size` (device groups;
+default `pipeline_nstages`, tensor parallelism inside each group over plan_ngpus // pp_size devices).
+"""
+
+from __future__ import annotations
+
+from nnscaler.config import ComputeConfig
+from nnscaler.errors import PlanError
+from nnscaler.graph.ir import Graph, cut_graph
+from nnscaler.policies.plan import SCHEDULERS, NodePlan, PipelinePlan, Plan
+from nnscaler.policies.schedules import simulate
+from nnscaler.policies.staging import (
+    balanced_starts,
+    default_pivots,
+    explicit_starts,
+    parse_pivots,
+    pivot_starts,
+)
+from nnscaler.policies.tp import pas_tp
+
+__all__ = ["pas_pp", "pas_hybrid", "check_end2end_loss", "validate_pipeline"]
+
+
+def check_end2end_loss(graph: Graph) -> None:
+    """End-to-end mode: the forward's first output must be a scalar floating-point loss."""
+    outs = graph.output_names()
+    first = graph.outputs[0] if graph.outputs else None
+    meta = graph.values[outs[0]].meta if outs and getattr(first, "name", None) == outs[0] else None
+    if meta is None or meta.shape != () or not meta.is_float:
+        got = "no tensor" if meta is None else f"a {meta.dtype} tensor of shape {list(meta.shape)}"
+        raise PlanError(
+            "ComputeConfig(use_end2end=True) needs the forward to return the loss as its first output, a scalar "
+            f"float tensor; the traced forward's first output is {got} (reduce the loss to a scalar, e.g. .mean())"
+        )
+
+
+def _int_option(cfg: ComputeConfig, key: str, default=None) -> int | None:
+    value = cfg.pas_config.get(key, default)
+    if value is None or value == "auto":
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlanError(f"pas_config[{key!r}] must be a positive int, got {value!r}")
+    return value
+
+
+def _pipeline(graph: Graph, cfg: ComputeConfig, pp_size: int, nstages: int) -> PipelinePlan:
+    if not cfg.use_end2end:
+        raise PlanError(
+            "pipeline parallelism needs ComputeConfig(use_end2end=True): the runtime drives forward and backward "
+            "of the micro-batches itself (model.train_step(samples))"
+        )
+    check_end2end_loss(graph)
+    scheduler = cfg.pas_config.get("pipeline_scheduler", "1f1b")
+    if scheduler not in SCHEDULERS:
+        raise PlanError(f"pas_config['pipeline_scheduler']={scheduler!r}: use one of {list(SCHEDULERS)}")
+    nmicros = _int_option(cfg, "pipeline_nmicros")
+    if nmicros is None:
+        raise PlanError(
+            "pipelines need pas_config['pipeline_nmicros']: the number of micro-batches per train_step"
+        )
+    pivots = parse_pivots(cfg.pas_config.get("pipeline_pivots")) or default_pivots(graph)
+    explicit = cfg.pas_config.get("pipeline_stages")
+    if explicit:
+        starts = explicit_starts(graph, list(explicit))
+        if len(starts) != nstages:
+            raise PlanError(
+                f"pas_config['pipeline_stages'] names {len(starts) - 1} stage starts, so {len(starts)} stages, "
+                f"but pipeline_nstages is {nstages}"
+            )
+    else:
+        found = pivot_starts(graph, pivots)
+        if nstages > len(found) + (0 if found[0][0] == 0 else 1):
+            raise PlanError(
+                f"pipeline_nstages={nstages} but the model has only {len(found)} pivot modules "
+                f"({', '.join(pivots)}) to start stages at: use fewer stages or other pipeline_pivots"
+            )
+        starts = balanced_starts(graph, [i for i, _ in found], nstages)
+    plan = PipelinePlan(tuple(graph.nodes[i].name for i in starts), pp_size, nmicros, scheduler, pivots)
+    simulate(scheduler, nstages, pp_size, nmicros)  # raises on schedules that cannot run
+    return plan
+
+
+def pas_pp(graph: Graph, cfg: ComputeConfig) -> Plan:
+    """One pipeline stage per plan device (virtual stages with '1f1b_interleaved'), no tensor parallelism."""
+    pp_size = cfg.plan_ngpus
+    interleaved = cfg.pas_config.get("pipeline_scheduler") == "1f1b_interleaved"
+    nstages = _int_option(cfg, "pipeline_nstages") or pp_size * (2 if interleaved else 1)
+    if nstages % pp_size:
+        raise PlanError(
+            f"policy 'pp' runs one stage per plan device: pipeline_nstages ({nstages}) must be a multiple of "
+            f"plan_ngpus ({pp_size})"
+        )
+    pipeline = _pipeline(graph, cfg, pp_size, nstages)
+    return Plan("pp", cfg.plan_ngpus, {n.name: NodePlan() for n in graph.nodes}, pipeline=pipeline)
+
+
+def pas_hybrid(graph: Graph, cfg: ComputeConfig) -> Plan:
+    """Pipeline stages over `pp_size` device groups, each stage split by the `tp` policy inside its group."""
+    nstages = _int_option(cfg, "pipeline_nstages") or cfg.plan_ngpus
+    pp_size = _int_option(cfg, "pp_size") or nstages
+    if cfg.plan_ngpus % pp_size or nstages % pp_size:
+        raise PlanError(
+            f"policy 'hybrid': pp_size ({pp_size}) must divide plan_ngpus ({cfg.plan_ngpus}) and "
+            f"pipeline_nstages ({nstages})"
+        )
+    tp = cfg.plan_ngpus // pp_size
+    pipeline = _pipeline(graph, cfg, pp_size, nstages)
+    nodes: dict[str, NodePlan] = {}
+    notes: list[str] = []
+    starts = [i for i, n in enumerate(graph.nodes) if n.name in set(pipeline.starts)]
+    stage_cfg = ComputeConfig(tp, tp, pas_config=cfg.pas_config)
+    for piece in cut_graph(graph, starts):
+        sub = pas_tp(piece.graph, stage_cfg)
+        nodes.update(sub.nodes)
+        notes.extend(f"stage {piece.index}: {n}" for n in sub.notes)
+    return Plan("hybrid", cfg.plan_ngpus, nodes, tuple(notes), pipeline=pipeline)
+
+
+def validate_pipeline(graph: Graph, plan: Plan, cfg: ComputeConfig) -> None:
+    """Check a plan's pipeline part (also for plans from user policies)."""
+    p = plan.pipeline
+    if p is None:
+        return
+    if not cfg.use_end2end:
+        raise PlanError("the plan has pipeline stages but ComputeConfig.use_end2end is False; set it to True")
+    check_end2end_loss(graph)
+    if p.pp_size < 1 or cfg.plan_ngpus % p.pp_size or p.nstages % p.pp_size:
+        raise PlanError(
+            f"pipeline: pp_size {p.pp_size} must divide plan_ngpus ({cfg.plan_ngpus}) and the {p.nstages} stages"
+        )
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    idx = [order.get(s) for s in p.starts]
+    if None in idx or idx[0] != 0 or idx != sorted(set(idx)):
+        raise PlanError(
+            f"pipeline stage starts {list(p.starts)} must be node names in graph order, the first being "
+            f"{graph.nodes[0].name}"
+        )
+    if p.scheduler not in SCHEDULERS:
+        raise PlanError(f"pipeline scheduler {p.scheduler!r}: use one of {list(SCHEDULERS)}")
+    simulate(p.scheduler, p.nstages, p.pp_size, p.nmicros)

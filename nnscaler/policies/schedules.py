@@ -1,0 +1,161 @@
+"""Pipeline schedules: the order in which each device group runs forward and backward passes of
+(stage, micro-batch), and a simulator that checks the orders cannot deadlock and measures their bubble.
+
+Stage s runs on device group s % pp_size. A forward of (s, m) needs the forward of (s - 1, m); a
+backward of (s, m) needs the forward of (s, m) and the backward of (s + 1, m). Sends are
+asynchronous and receives block just before their first use, so a schedule runs iff the simulator
+below finishes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nnscaler.errors import PlanError
+
+__all__ = ["Action", "group_actions", "forward_order", "simulate", "ScheduleTiming", "theoretical_bubble"]
+
+
+@dataclass(frozen=True)
+class Action:
+    """Forward ('F') or backward ('B') of one stage on one micro-batch."""
+
+    kind: str
+    stage: int
+    micro: int
+
+
+def _gpipe(stage: int, nmicros: int) -> list[Action]:
+    return [Action("F", stage, m) for m in range(nmicros)] + [Action("B", stage, m) for m in range(nmicros)]
+
+
+def _one_f_one_b(stage: int, nstages: int, nmicros: int) -> list[Action]:
+    """Warm up with (nstages - stage - 1) forwards, then alternate, then drain the backwards."""
+    warmup = min(nstages - stage - 1, nmicros)
+    out = [Action("F", stage, m) for m in range(warmup)]
+    for i in range(nmicros - warmup):
+        out += [Action("F", stage, warmup + i), Action("B", stage, i)]
+    out += [Action("B", stage, m) for m in range(nmicros - warmup, nmicros)]
+    return out
+
+
+def _interleaved(group: int, pp_size: int, chunks: int, nmicros: int) -> list[Action]:
+    """Megatron-LM's interleaved 1F1B: micro-batches go through the chunks in rounds of pp_size."""
+    total = nmicros * chunks
+
+    def fwd(k: int) -> Action:
+        chunk = (k % (pp_size * chunks)) // pp_size
+        micro = (k // (pp_size * chunks)) * pp_size + k % pp_size
+        return Action("F", chunk * pp_size + group, micro)
+
+    def bwd(k: int) -> Action:
+        chunk = chunks - 1 - (k % (pp_size * chunks)) // pp_size
+        micro = (k // (pp_size * chunks)) * pp_size + k % pp_size
+        return Action("B", chunk * pp_size + group, micro)
+
+    warmup = total if nmicros == pp_size else min((pp_size - group - 1) * 2 + (chunks - 1) * pp_size, total)
+    out = [fwd(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        out += [fwd(warmup + k), bwd(k)]
+    out += [bwd(k) for k in range(total - warmup, total)]
+    return out
+
+
+def group_actions(scheduler: str, nstages: int, pp_size: int, nmicros: int, group: int) -> list[Action]:
+    """What device group `group` runs, in order, for one train step."""
+    if nstages % pp_size:
+        raise PlanError(f"{nstages} pipeline stages cannot be spread evenly over {pp_size} device groups")
+    chunks = nstages // pp_size
+    if scheduler == "1f1b_interleaved":
+        if nmicros % pp_size:
+            raise PlanError(
+                f"pipeline_scheduler '1f1b_interleaved' needs pipeline_nmicros ({nmicros}) to be a multiple of "
+                f"the number of pipeline device groups ({pp_size})"
+            )
+        return _interleaved(group, pp_size, chunks, nmicros)
+    if chunks != 1:
+        raise PlanError(
+            f"{nstages} stages on {pp_size} device groups (virtual stages) need pipeline_scheduler "
+            f"'1f1b_interleaved', not {scheduler!r}"
+        )
+    if scheduler == "gpipe":
+        return _gpipe(group, nmicros)
+    if scheduler == "1f1b":
+        return _one_f_one_b(group, nstages, nmicros)
+    raise PlanError(f"unknown pipeline_scheduler {scheduler!r}: use one of gpipe, 1f1b, 1f1b_interleaved")
+
+
+def forward_order(scheduler: str, nstages: int, pp_size: int, nmicros: int, group: int) -> list[Action]:
+    """The forwards of `group_actions` alone (inference)."""
+    return [a for a in group_actions(scheduler, nstages, pp_size, nmicros, group) if a.kind == "F"]
+
+
+@dataclass(frozen=True)
+class ScheduleTiming:
+    """Simulated run with fixed times per forward / backward: per-group busy and idle time."""
+
+    makespan: float
+    busy: tuple[float, ...]
+
+    @property
+    def idle_fraction(self) -> tuple[float, ...]:
+        return tuple(1.0 - b / self.makespan for b in self.busy)
+
+
+def simulate(
+    scheduler: str,
+    nstages: int,
+    pp_size: int,
+    nmicros: int,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
+) -> ScheduleTiming:
+    """Run every group's actions with blocking receives; raise PlanError on a deadlock."""
+    orders = [group_actions(scheduler, nstages, pp_size, nmicros, g) for g in range(pp_size)]
+    expected = {Action(k, s, m) for k in "FB" for s in range(nstages) for m in range(nmicros)}
+    given = [a for order in orders for a in order]
+    if len(given) != len(expected) or set(given) != expected:
+        raise PlanError(
+            f"schedule {scheduler!r} does not run every stage's forward and backward exactly once"
+        )
+    done: dict[Action, float] = {}
+    pos = [0] * pp_size
+    clock = [0.0] * pp_size
+    busy = [0.0] * pp_size
+    remaining = len(given)
+    while remaining:
+        progressed = False
+        for g in range(pp_size):
+            while pos[g] < len(orders[g]):
+                a = orders[g][pos[g]]
+                deps = _deps(a, nstages)
+                if any(d not in done for d in deps):
+                    break
+                start = max([clock[g]] + [done[d] for d in deps])
+                cost = forward_time if a.kind == "F" else backward_time
+                cost /= nstages // pp_size  # a virtual stage holds 1/chunks of the group's layers
+                clock[g] = start + cost
+                busy[g] += cost
+                done[a] = clock[g]
+                pos[g] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {g: orders[g][pos[g]] for g in range(pp_size) if pos[g] < len(orders[g])}
+            raise PlanError(f"schedule {scheduler!r} deadlocks: device groups wait on {stuck}")
+    return ScheduleTiming(max(clock), tuple(busy))
+
+
+def _deps(a: Action, nstages: int) -> list[Action]:
+    if a.kind == "F":
+        return [Action("F", a.stage - 1, a.micro)] if a.stage > 0 else []
+    deps = [Action("F", a.stage, a.micro)]
+    if a.stage + 1 < nstages:
+        deps.append(Action("B", a.stage + 1, a.micro))
+    return deps
+
+
+def theoretical_bubble(scheduler: str, nstages: int, pp_size: int, nmicros: int) -> float:
+    """The textbook idle fraction: (p - 1) / (v * m + p - 1) for p groups, v chunks, m micro-batches."""
+    chunks = nstages // pp_size if scheduler == "1f1b_interleaved" else 1
+    return (pp_size - 1) / (chunks * nmicros + pp_size - 1)

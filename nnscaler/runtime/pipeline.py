@@ -1,0 +1,192 @@
+"""Pipeline executor: what the generated `_train_step` / `_infer_step` call to move micro-batches.
+
+The generated schedule code is the order of work; this file does each piece of it: receive a
+stage's input activations (blocking, just before use), send its outputs (asynchronous, waited at
+the end of the step), backward through a stage given the gradients of its outputs, send the
+gradients of its inputs back, and at the end sum the gradients of weights that two stages share
+and hand every rank of the pipeline the micro-batches' losses.
+
+Messages are matched by tag (stage, direction, micro-batch, tensor), so sends and receives between
+two ranks need not be posted in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nnscaler.runtime.device import is_initialized
+
+__all__ = ["TensorSpec", "PipelineStep", "split_micro_batches", "forward_kwargs"]
+
+_MAX_TENSORS = 1000  # tensors per message, for tags
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape, dtype and whether gradients flow back, of one activation passed between stages."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @property
+    def wants_grad(self) -> bool:
+        return self.requires_grad and self.dtype.is_floating_point
+
+
+def split_micro_batches(batch: Any, nmicros: int) -> list[Any]:
+    """Split every tensor of a (nested) batch along dim 0 into `nmicros` equal micro-batches."""
+    leaves, spec = torch.utils._pytree.tree_flatten(batch)
+    sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"cannot split a batch into micro-batches: its tensors have batch sizes {sorted(sizes)}"
+        )
+    size = sizes.pop()
+    if size % nmicros:
+        raise ValueError(
+            f"a batch of {size} samples cannot be split into pipeline_nmicros={nmicros} equal micro-batches: "
+            f"use a batch size that is a multiple of {nmicros}, or pass the micro-batches as a list"
+        )
+    parts = [
+        leaf.chunk(nmicros, dim=0) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else [leaf] * nmicros
+        for leaf in leaves
+    ]
+    return [torch.utils._pytree.tree_unflatten([p[m] for p in parts], spec) for m in range(nmicros)]
+
+
+def forward_kwargs(sample: Any, forward_args: Sequence[str]) -> dict[str, Any]:
+    """A micro-batch as forward keyword arguments: a dict of them, one argument's value, or a tuple."""
+    if isinstance(sample, Mapping) and set(sample) <= set(forward_args) and sample:
+        return dict(sample)
+    if len(forward_args) == 1:
+        return {forward_args[0]: sample}
+    if isinstance(sample, (tuple, list)) and len(sample) == len(forward_args):
+        return dict(zip(forward_args, sample))
+    raise TypeError(
+        f"a micro-batch must be a dict of the forward's arguments {list(forward_args)} (or a tuple of them); "
+        f"got {type(sample).__name__}"
+        + (f" with keys {sorted(sample)}" if isinstance(sample, Mapping) else "")
+    )
+
+
+class PipelineStep:
+    """One train_step / infer_step of a pipelined module on this rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: Any,
+        samples: Sequence[Any],
+        *,
+        train: bool = True,
+        scale_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        is_dummy_batch: Sequence[bool] | None = None,
+    ) -> None:
+        self.model = model
+        self.nmicros = len(samples)
+        self.kwargs = [forward_kwargs(s, model.forward_args) for s in samples]
+        """Each micro-batch as forward keyword arguments."""
+        self.train = train
+        self.scale_fn = scale_fn
+        self.dummy = list(is_dummy_batch) if is_dummy_batch is not None else [False] * self.nmicros
+        self.losses: list[torch.Tensor | None] = [None] * self.nmicros
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._device = model.device
+
+    # ---- point to point ------------------------------------------------------------------------
+    def _tag(self, stage: int, backward: bool, micro: int, i: int) -> int:
+        return ((stage * 2 + int(backward)) * self.nmicros + micro) * _MAX_TENSORS + i
+
+    def _send(
+        self, tensors: Sequence[torch.Tensor], dst: int, stage: int, backward: bool, micro: int
+    ) -> None:
+        for i, t in enumerate(tensors):
+            t = t.detach().contiguous()
+            if is_initialized():
+                self._pending.append((dist.isend(t, dst, tag=self._tag(stage, backward, micro, i)), t))
+
+    def _recv(self, specs: Sequence[TensorSpec], src: int, stage: int, backward: bool, micro: int) -> list:
+        out = []
+        for i, spec in enumerate(specs):
+            t = torch.empty(spec.shape, dtype=spec.dtype, device=self._device)
+            dist.recv(t, src, tag=self._tag(stage, backward, micro, i))
+            out.append(t)
+        return out
+
+    def recv_forward(self, stage: int, micro: int, src: int) -> list[torch.Tensor]:
+        """The input activations of `stage` for `micro`, from the rank running the previous stage."""
+        specs = self.model.stage_inputs[stage]
+        acts = self._recv(specs, src, stage, False, micro)
+        for t, spec in zip(acts, specs):
+            if spec.wants_grad and self.train:
+                t.requires_grad_(True)
+        return acts
+
+    def send_forward(self, outputs: Sequence[torch.Tensor], stage: int, micro: int, dst: int) -> None:
+        """Send `stage`'s outputs for `micro` to the rank running the next stage."""
+        self._send(outputs, dst, stage + 1, False, micro)
+
+    def recv_backward(self, stage: int, micro: int, src: int) -> list[torch.Tensor | None]:
+        """Gradients of `stage`'s outputs (None where no gradient flows), from the next stage's rank."""
+        specs = self.model.stage_inputs[stage + 1]
+        wanted = [s for s in specs if s.wants_grad]
+        grads = iter(self._recv(wanted, src, stage + 1, True, micro))
+        return [next(grads) if s.wants_grad else None for s in specs]
+
+    def send_backward(self, inputs: Sequence[torch.Tensor], stage: int, micro: int, dst: int) -> None:
+        """Send the gradients of `stage`'s received inputs back to the previous stage's rank."""
+        specs = self.model.stage_inputs[stage]
+        grads = [
+            x.grad if x.grad is not None else torch.zeros_like(x)
+            for x, s in zip(inputs, specs)
+            if s.wants_grad
+        ]
+        self._send(grads, dst, stage, True, micro)
+
+    # ---- compute ---------------------------------------------------------------------------------
+    def backward(self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+        """Backward through one stage from the gradients of its outputs."""
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    def loss(self, outputs: Sequence[torch.Tensor], micro: int) -> torch.Tensor:
+        """The last stage's first output is the micro-batch's loss."""
+        loss = outputs[0]
+        self.losses[micro] = loss.detach()
+        return loss
+
+    def backward_loss(self, outputs: Sequence[torch.Tensor], micro: int) -> None:
+        """Backward from the loss of `micro` (scaled by `scale_fn`, zero for a dummy micro-batch)."""
+        loss = outputs[0]
+        if self.scale_fn is not None:
+            loss = self.scale_fn(loss)
+        if self.dummy[micro]:
+            loss = loss * 0.0
+        loss.backward()
+
+    # ---- end of step ---------------------------------------------------------------------------------
+    def finish(self) -> list[torch.Tensor]:
+        """Wait for the sends, sum the gradients of weights shared by stages, return every loss."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        if self.train:
+            self.model.sync_tied_grads()
+        return self._share_losses()
+
+    def _share_losses(self) -> list[torch.Tensor]:
+        model = self.model
+        mine = [x for x in self.losses if x is not None]
+        values = torch.zeros(self.nmicros, dtype=torch.float32, device=self._device)
+        if mine:
+            values.copy_(torch.stack([x.float() for x in self.losses]))
+        group = model.group("pp")
+        if group is not None:
+            dist.broadcast(values, model.last_stage_rank, group=group)
+        return list(values.unbind(0))
