@@ -44,7 +44,7 @@ class ComputeConfig:
     trace_strategy: str = "cuda_run_cpu_offload"
     """Kept for compatibility: tracing here always runs on fake tensors."""
     use_zero: bool = False
-    """Shard optimizer state across data-parallel replicas (ZeRO stage 1)."""
+    """Shard optimizer state across data-parallel replicas (ZeRO; `zero_stage` says how far)."""
     zero_ngroups: int = 1
     """Number of ZeRO groups the data-parallel replicas are divided into."""
     zero_use_reduce_scatter: bool = False
@@ -62,7 +62,8 @@ class ComputeConfig:
     user_config: dict[str, Any] = field(default_factory=dict)
     """User values that only take part in deciding whether generated code can be reused."""
     zero_stage: int = field(default=1, kw_only=True)
-    """ZeRO stage when use_zero: 1 shards optimizer state, 2 also gradients (reduce-scatter, overlapped)."""
+    """ZeRO stage when use_zero: 1 shards optimizer state, 2 also gradients (reduce-scatter, overlapped),
+    3 also parameters (each block all-gathered just in time in forward and backward, prefetched)."""
     reduce_grads_in_fp32: bool = field(default=False, kw_only=True)
     """Keep and reduce the gradients of bf16 / fp16 parameters in fp32 (the reducer's buckets); the
     optimizer reads them from `param.main_grad`, so use MixedPrecisionAdam / MixedPrecisionAdamW."""
@@ -95,9 +96,10 @@ class ComputeConfig:
             raise ConfigError(f"ComputeConfig.zero_ngroups must be >= 1, got {self.zero_ngroups!r}")
         if not self.use_zero and self.zero_ngroups != 1:
             object.__setattr__(self, "zero_ngroups", 1)
-        if self.zero_stage not in (1, 2):
+        if self.zero_stage not in (1, 2, 3):
             raise ConfigError(
-                f"ComputeConfig.zero_stage must be 1 (optimizer state) or 2 (also gradients), got {self.zero_stage!r}"
+                "ComputeConfig.zero_stage must be 1 (shard optimizer state), 2 (also gradients) or 3 (also "
+                f"parameters), got {self.zero_stage!r}"
             )
         if self.use_zero and (self.runtime_ngpus // self.plan_ngpus) % self.zero_ngroups:
             raise ConfigError(

@@ -129,6 +129,11 @@ def validate_pipeline(graph: Graph, plan: Plan, cfg: ComputeConfig) -> None:
     if not cfg.use_end2end:
         raise PlanError("the plan has pipeline stages but ComputeConfig.use_end2end is False; set it to True")
     check_end2end_loss(graph)
+    if cfg.use_zero and cfg.zero_stage == 3:
+        raise PlanError(
+            "ZeRO stage 3 does not run with pipeline stages yet (parameters are gathered around forward calls, "
+            "which pipeline stages do not make): use zero_stage=1 or 2 with pipelines"
+        )
     if p.pp_size < 1 or cfg.plan_ngpus % p.pp_size or p.nstages % p.pp_size:
         raise PlanError(
             f"pipeline: pp_size {p.pp_size} must divide plan_ngpus ({cfg.plan_ngpus}) and the {p.nstages} stages"

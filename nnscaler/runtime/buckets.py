@@ -1,9 +1,10 @@
 """Gradient buckets: contiguous buffers whose gradients are reduced with one collective each.
 
 A `Bucket` holds the gradients of a few parameters back to back in `grads` (padded to a multiple of
-the ZeRO group size). Gradients reach it in one of two ways: a post-accumulate-grad hook copies (or
-adds) a fresh `.grad` into the bucket and drops it (`accept`), or `materialize` copies whatever sits
-in `.grad` just before the bucket is reduced. After an all-reduce the parameters' `.grad` are views
+the ZeRO group size). Gradients reach it in one of three ways: a post-accumulate-grad hook copies (or
+adds) a fresh `.grad` into the bucket and drops it (`accept`), ZeRO-3's backward hands a gradient over
+directly (`accept(i, grad)`), or `materialize` copies whatever sits in `.grad` just before the bucket
+is reduced. After an all-reduce the parameters' `.grad` are views
 of the bucket (`expose`), so the optimizer reads the reduced values with no copy.
 
 Under ZeRO each rank of the ZeRO group owns one contiguous `1/S`-th of every bucket (`own`), and the
@@ -165,13 +166,17 @@ class Bucket:
         else:
             torch.div(grad, self.divisor, out=view)  # copy and pre-divide in one pass
 
-    def accept(self, i: int) -> bool:
-        """Move parameter `i`'s fresh `.grad` into the bucket (a hook, after gradient accumulation).
+    def accept(self, i: int, grad: torch.Tensor | None = None, arrive: bool = True) -> bool:
+        """Move parameter `i`'s fresh `.grad` into the bucket (a hook, after gradient accumulation), or
+        add `grad` to it when given (ZeRO-3 hands gradients over directly; `.grad` is left alone).
 
-        Returns True when this completes the bucket for the current backward pass.
+        `arrive`: this is the parameter's last gradient of the backward pass. Returns True when this
+        completes the bucket for the current backward pass.
         """
         p = self.params[i]
-        grad = p.grad
+        given = grad is not None
+        if not given:
+            grad = p.grad
         if grad is not None:
             _check_dense(grad)
             self._ensure_grads()
@@ -186,9 +191,10 @@ class Bucket:
                 self._copy_in(view, grad)
                 self.scaled[i] = True
             self.state[i] = LOCAL
-            p.grad = None
+            if not given:
+                p.grad = None
         self.dirty = True
-        if not self.arrived[i]:
+        if arrive and not self.arrived[i]:
             self.arrived[i] = True
             self.narrived += 1
         return self.narrived == len(self.params)

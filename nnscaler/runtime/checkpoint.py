@@ -21,6 +21,7 @@ from nnscaler.runtime.checkpoint_dist import (
     broadcast_weights,
     dp_first,
     optimizer_state_first,
+    share_zero3_weights,
 )
 from nnscaler.runtime.module import EXTRA_STATE_FORMAT, EXTRA_STATE_KEY, ParallelModule
 from nnscaler.runtime.optimizer import model_param_groups, optimizer_state_dict, parallel_modules, param_names
@@ -358,6 +359,7 @@ def load_deduped_state_dict(
     optimizer_state_dict: Mapping[str, Any] | None = None,
 ) -> None:
     """Load `deduped_state_dict` output (same plan): load what this rank has, broadcast the rest."""
+    model_state_dict = share_zero3_weights(module, model_state_dict)
     module.load_state_dict(model_state_dict, strict=False)
     broadcast_weights(module)
     if optimizer is None or optimizer_state_dict is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,11 +11,17 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from nnscaler.runtime.comm import rank_in_group
-from nnscaler.runtime.device import is_initialized
+from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.optimizer import parallel_modules
 
-__all__ = ["broadcast_weights", "broadcast_optimizer_state", "dp_first", "optimizer_state_first"]
+__all__ = [
+    "broadcast_weights",
+    "broadcast_optimizer_state",
+    "dp_first",
+    "optimizer_state_first",
+    "share_zero3_weights",
+]
 
 
 def _world() -> dist.ProcessGroup | None:
@@ -67,12 +73,41 @@ def broadcast_weights(module: nn.Module, src_rank: int = 0) -> None:
     "dp" group from the group's `src_rank`-th rank (0: the first); outer tensors from global `src_rank`."""
     for _, pm in parallel_modules(module):
         dp = pm.group("dp")
-        if dp is not None:
-            _broadcast_coalesced([*pm.parameters(), *pm.buffers()], dist.get_global_rank(dp, src_rank), dp)
+        if dp is None:
+            continue
+        src = dist.get_global_rank(dp, src_rank)
+        if pm._zero3 is not None:  # ZeRO-3: parameters are slices; gather, broadcast, re-slice
+            pm._zero3.broadcast(src)
+            _broadcast_coalesced(list(pm.buffers()), src, dp)
+        else:
+            _broadcast_coalesced([*pm.parameters(), *pm.buffers()], src, dp)
     world = _world()
     outer = _outer_tensors(module)
     if world is not None and outer:
         _broadcast_coalesced(outer, src_rank, world)
+
+
+def share_zero3_weights(module: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A deduped model state dict with the parameters of every ZeRO-3 ParallelModule broadcast from
+    the first rank of its data-parallel group (where they are) to the others, which need them to take
+    their slices (a full local tensor at a time)."""
+    out = dict(state_dict)
+    for prefix, pm in parallel_modules(module):
+        dp = pm.group("dp")
+        if pm._zero3 is None or dp is None:
+            continue
+        src, device = dist.get_global_rank(dp, 0), runtime_device()
+        for info in pm.fullmap.values():
+            if not info.is_param:
+                continue
+            key = prefix + info.original_name
+            if dist.get_rank() == src:
+                buf = out[key].detach().to(device).contiguous()
+            else:
+                buf = torch.empty(info.local_shape, dtype=info.dtype, device=device)
+            dist.broadcast(buf, src=src, group=dp)
+            out[key] = buf
+    return out
 
 
 def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:

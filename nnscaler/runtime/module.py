@@ -7,7 +7,9 @@ sharding metadata as extra state, so `merge_state_dicts` can rebuild the single-
 
 Gradients are averaged over the data-parallel replicas by a `Reducer` (nnscaler.runtime.reducer),
 built on the first forward with gradients enabled (or the first `sync_grad` / `build_optimizer`) from
-`compute_config`, which the compiler sets after construction.
+`compute_config`, which the compiler sets after construction. Under ZeRO stage 3 it is a
+`Zero3Reducer` (nnscaler.runtime.zero3): the registered parameters then hold no data, and
+`__getattr__` hands the generated forward gathered ones.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from torch import nn
 
 from nnscaler.config import ComputeConfig
 from nnscaler.runtime.device import is_initialized, runtime_device
+from nnscaler.runtime.end2end import EndToEndMixin
 from nnscaler.runtime.groups import create_groups, get_group
 from nnscaler.runtime.reducer import Reducer, build_reducer, first_holders, grad_sq_norm, scale_grads
 from nnscaler.runtime.shard import Shard, local_shape, normalize_shard, shard_slice
+from nnscaler.runtime.zero3 import Zero3Reducer, build_zero3
 
 __all__ = ["ParallelModule", "ShardInfo", "EXTRA_STATE_FORMAT", "EXTRA_STATE_KEY"]
 
@@ -70,9 +74,16 @@ def _before_forward(module: ParallelModule, args: Any) -> None:
     module._grads_synced = False
     if torch.is_grad_enabled():
         module._ensure_reducer()  # before backward, so its hooks overlap communication with it
+    if module._zero3 is not None:
+        module._zero3.begin_forward()
 
 
-class ParallelModule(nn.Module):
+def _after_forward(module: ParallelModule, args: Any, output: Any) -> None:
+    if module._zero3 is not None:
+        module._zero3.end_forward()  # ZeRO-3: drop the gathered parameters
+
+
+class ParallelModule(EndToEndMixin, nn.Module):
     """Base class of generated code: one rank's shards of a model, plus gradient sync and checkpoints."""
 
     rank: int = 0
@@ -118,8 +129,12 @@ class ParallelModule(nn.Module):
         self._norm_owned: list[bool] | None = None
         self._reducer: Reducer | None = None
         self._reducer_built = False
+        self._zero3: Zero3Reducer | None = None
+        """ZeRO stage 3 (the reducer, once built): hands out gathered parameters, see `__getattr__`."""
+        self._tied: dict[str, list[int]] = {}  # see EndToEndMixin.add_tied
         create_groups([*all_groups, *self._implied_groups()])
         self.register_forward_pre_hook(_before_forward)
+        self.register_forward_hook(_after_forward, always_call=True)
 
     # ---- groups -------------------------------------------------------------------------------------
 
@@ -177,6 +192,8 @@ class ParallelModule(nn.Module):
             return get_group(self._dp_ranks())
         if name == "plan":
             return get_group(self._plan_ranks())
+        if name == "pp":  # no pipeline: this rank alone
+            return None
         raise KeyError(f"{type(self).__name__} has no group {name!r}; known: {sorted(self._group_ranks)}")
 
     @property
@@ -186,8 +203,6 @@ class ParallelModule(nn.Module):
             return t.device
         for t in self.buffers():
             return t.device
-        from nnscaler.runtime.device import runtime_device
-
         return runtime_device()
 
     # ---- registration -------------------------------------------------------------------------------
@@ -229,8 +244,24 @@ class ParallelModule(nn.Module):
             raise ValueError(f"add_alias: {alias_name!r} is already a registered name")
         self.aliases[alias_name] = original_name
 
+    def __getattr__(self, name: str) -> Any:
+        zero3 = self.__dict__.get("_zero3")
+        if zero3 is not None:  # ZeRO-3: generated code reads the gathered parameter
+            value = zero3.fetch(name)
+            if value is not None:
+                return value
+        return super().__getattr__(name)
+
     def _tensor(self, local_name: str) -> torch.Tensor:
-        return getattr(self, local_name)
+        """The registered tensor (under ZeRO-3 a parameter holds no data; see `_write`, `state_dict`)."""
+        found = self._parameters.get(local_name)
+        return found if found is not None else self._buffers[local_name]
+
+    def _write(self, local_name: str, value: torch.Tensor) -> None:
+        if self._zero3 is not None and local_name in self._zero3:
+            self._zero3.write(local_name, value)
+        else:
+            self._tensor(local_name).copy_(value)
 
     def _init_source(self) -> Mapping[str, torch.Tensor] | None:
         cls = type(self)
@@ -290,7 +321,7 @@ class ParallelModule(nn.Module):
                 full = state_dict[key]
                 if tuple(full.shape) != info.full_shape:
                     raise ValueError(f"{key}: full shape {tuple(full.shape)} != expected {info.full_shape}")
-                self._tensor(name).copy_(shard_slice(full, info.shard))
+                self._write(name, shard_slice(full, info.shard))
         known = set(self._local_of) | set(self.aliases)
         unexpected = [k for k in state_dict if k not in known]
         if strict and (missing or unexpected):
@@ -330,9 +361,10 @@ class ParallelModule(nn.Module):
             )
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        gathered = self._zero3.full_tensors() if self._zero3 is not None else {}  # collective
         for name, info in self.fullmap.items():
             if info.persistent:
-                tensor = self._tensor(name)
+                tensor = gathered[name] if name in gathered else self._tensor(name)
                 destination[prefix + info.original_name] = tensor if keep_vars else tensor.detach()
         destination[prefix + EXTRA_STATE_KEY] = self.get_extra_state()
 
@@ -371,7 +403,7 @@ class ParallelModule(nn.Module):
                         f"the local shard has shape {tuple(tensor.shape)}"
                     )
                     continue
-                tensor.copy_(value)
+                self._write(name, value)
         if strict:
             known = set(self._local_of) | set(self.aliases) | {EXTRA_STATE_KEY}
             unexpected_keys.extend(
@@ -412,15 +444,19 @@ class ParallelModule(nn.Module):
         if not self._reducer_built:
             self._reducer = self._build_reducer()
             self._reducer_built = True
+            self._zero3 = self._reducer if isinstance(self._reducer, Zero3Reducer) else None
         return self._reducer
 
     def _drop_reducer(self) -> None:
         if self._reducer is not None:
             self._reducer.zero_grad()
             self._reducer.remove_hooks()
-        self._reducer, self._reducer_built = None, False
+        self._reducer, self._reducer_built, self._zero3 = None, False, None
 
     def _build_reducer(self) -> Reducer | None:
+        cfg = self.compute_config
+        if cfg is not None and cfg.use_zero and getattr(cfg, "zero_stage", 1) == 3:
+            return build_zero3(self)
         return build_reducer(
             self.parameters_for_optimizer(),
             self.group("dp"),

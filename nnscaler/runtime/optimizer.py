@@ -39,7 +39,7 @@ def param_names(module: nn.Module) -> dict[int, str]:
     for prefix, pm in parallel_modules(module):
         for local, info in pm.fullmap.items():
             if info.is_param:
-                names[id(getattr(pm, local))] = prefix + info.original_name
+                names[id(pm._tensor(local))] = prefix + info.original_name
     for name, p in module.named_parameters():
         names.setdefault(id(p), name)
     return names

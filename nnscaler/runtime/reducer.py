@@ -21,6 +21,7 @@ __all__ = [
     "ZeroPiece",
     "build_reducer",
     "zero_groups",
+    "zero_process_groups",
     "make_buckets",
     "average_gradients",
     "param_grad",
@@ -182,7 +183,9 @@ class Reducer:
         grad_dtype: torch.dtype | None = None,
     ) -> None:
         if stage not in (1, 2):
-            raise ValueError(f"ZeRO stage {stage} is not supported by the reducer (1 or 2)")
+            raise ValueError(
+                f"ZeRO stage {stage} is not supported by the reducer (1 or 2; 3 is zero3.Zero3Reducer)"
+            )
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.dp_size = dist.get_world_size(group)
@@ -418,17 +421,10 @@ def build_reducer(
         stage = getattr(config, "zero_stage", 1)
         if stage not in (1, 2):
             raise ValueError(
-                f"ComputeConfig.zero_stage={stage!r}: the runtime implements ZeRO stages 1 and 2"
+                f"ComputeConfig.zero_stage={stage!r}: build_reducer implements ZeRO stages 1 and 2 "
+                "(stage 3 is built by ParallelModule with nnscaler.runtime.zero3.build_zero3)"
             )
-        parts: list[list[int]] = []
-        crosses: list[list[int]] = []
-        for i in range(plan_ngpus):
-            p, c = zero_groups(list(range(i, world_size, plan_ngpus)), config.zero_ngroups)
-            parts += p
-            crosses += c
-        create_groups(parts + crosses)
-        zero_group = get_group(next(g for g in parts if rank in g))
-        cross_group = get_group(next(g for g in crosses if rank in g))
+        zero_group, cross_group = zero_process_groups(rank, world_size, plan_ngpus, config.zero_ngroups)
     cap = config.reducer_bucket_cap_mb if config is not None else None
     return Reducer(
         params,
@@ -441,6 +437,24 @@ def build_reducer(
         stage=stage,
         grad_dtype=torch.float32 if getattr(config, "reduce_grads_in_fp32", False) else None,
     )
+
+
+def zero_process_groups(
+    rank: int, world_size: int, plan_ngpus: int, ngroups: int
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's ZeRO group and cross group (`zero_groups` of its data-parallel group); None for a
+    group of one rank. Collective: creates the groups of every data-parallel group, in the same order
+    on every rank."""
+    parts: list[list[int]] = []
+    crosses: list[list[int]] = []
+    for i in range(plan_ngpus):
+        p, c = zero_groups(list(range(i, world_size, plan_ngpus)), ngroups)
+        parts += p
+        crosses += c
+    create_groups(parts + crosses)
+    zero_group = get_group(next(g for g in parts if rank in g))
+    cross_group = get_group(next(g for g in crosses if rank in g))
+    return zero_group, cross_group
 
 
 def zero_groups(dp_ranks: Sequence[int], ngroups: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -145,6 +145,14 @@ def test_pipeline_needs_nmicros(zoo_graphs):
         make_plan(zoo_graphs["gpt"][0], "pp", cfg)
 
 
+def test_zero3_is_refused_with_pipelines(zoo_graphs):
+    cfg = ComputeConfig(
+        2, 4, use_end2end=True, use_zero=True, zero_stage=3, pas_config={"pipeline_nmicros": 2}
+    )
+    with pytest.raises(PlanError, match="ZeRO stage 3"):
+        make_plan(zoo_graphs["gpt"][0], "pp", cfg)
+
+
 def test_unknown_scheduler(zoo_graphs):
     with pytest.raises(PlanError, match="pipeline_scheduler"):
         make_plan(zoo_graphs["gpt"][0], "pp", _cfg(2, pipeline_scheduler="zb"))

@@ -1,6 +1,6 @@
 """Mixed precision (nnscaler.runtime.mixed_precision) alone and on 4 gloo ranks (tp 2 x dp 2).
 
-- MixedPrecisionAdamW over bf16 parameters through build_optimizer, without ZeRO, with ZeRO 1 and 2 and
+- MixedPrecisionAdamW over bf16 parameters through build_optimizer, without ZeRO, with ZeRO 1, 2, 3 and
   with `reduce_grads_in_fp32`, matches the single-device model in the same precision (bf16 parameters,
   fp32 masters, same optimizer) within bf16 tolerance, clip_gnorm included; ZeRO matches no ZeRO.
 - merge_state_dicts gives the fp32 masters per parameter ("fp32_params"); load_merged_state_dict
@@ -8,7 +8,8 @@
 - fp16 with DynamicLossScaler: an inf gradient on one rank makes every rank skip the step and halve
   the scale (integrated in the optimizer, or `scaler.step(opt); scaler.update()`).
 - Memory: per rank, parameters + gradients + optimizer state (masters included) for Adam with bf16
-  parameters take 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N bytes under ZeRO 0, 1, 2, measured from the tensors held.
+  parameters take 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N bytes under ZeRO 0, 1, 2, 3, measured from the
+  tensors held.
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def _train_bf16(rank: int, name: str, cfg_kwargs: dict[str, Any]) -> dict[str, t
     ref_sd = ref_opt.state_dict()
     assert [sorted(s) for s in merged_opt["state"].values()] == [sorted(s) for s in ref_sd["state"].values()]
 
-    if name in ("plain", "zero1"):
+    if name in ("plain", "zero1", "zero3"):
         _reload(rank, cfg, merged, merged_opt, pm, opt, ref.freq, x[rows], t[rows], name)
     return masters
 
@@ -219,8 +220,10 @@ BF16_CASES = {
     "plain": {},
     "zero1": {"use_zero": True},
     "zero2": {"use_zero": True, "zero_stage": 2, "use_async_reducer": True},
+    "zero3": {"use_zero": True, "zero_stage": 3},
     "fp32-reduce": {"reduce_grads_in_fp32": True},
     "fp32-reduce-zero2": {"reduce_grads_in_fp32": True, "use_zero": True, "zero_stage": 2},
+    "fp32-reduce-zero3": {"reduce_grads_in_fp32": True, "use_zero": True, "zero_stage": 3},
     "fp32-reduce-zero1-scatter": {
         "reduce_grads_in_fp32": True,
         "use_zero": True,
@@ -233,11 +236,11 @@ def _bf16(rank: int) -> None:
     masters = {name: _train_bf16(rank, name, kwargs) for name, kwargs in BF16_CASES.items()}
     # ZeRO reduces the same two gradients per element (2 replicas) and shards the same per-element
     # AdamW: it matches plain data parallelism but for the order of the clip norm's sum
-    for name in ("zero1", "zero2"):
+    for name in ("zero1", "zero2", "zero3"):
         _all_close(masters[name], masters["plain"], f"{name} vs plain", rtol=1e-5, atol=1e-6)
     # fp32 buckets round less than bf16 ones: bf16 tolerance against plain
     _masters_close(masters["fp32-reduce"], masters["plain"], "fp32 reduce vs bf16 reduce")
-    for name in ("fp32-reduce-zero2", "fp32-reduce-zero1-scatter"):
+    for name in ("fp32-reduce-zero2", "fp32-reduce-zero3", "fp32-reduce-zero1-scatter"):
         _all_close(masters[name], masters["fp32-reduce"], name, rtol=1e-5, atol=1e-6)
     # an optimizer that reads .grad only would see no gradients: refused
     pm = Bf16Gen(rank, WORLD, PLAN, init_params=False)
@@ -328,6 +331,8 @@ def held_bytes(pm: ParallelModule, opt: torch.optim.Optimizer) -> int:
     red = pm.reducer
     for bucket in red.buckets if red is not None else []:
         tensors += [bucket.grads, bucket.shard_grads, bucket._scatter_out, bucket.data]
+    for flat in getattr(red, "flats", []):  # ZeRO-3: the parameter slices, and any gathered buffer
+        tensors += [flat.shard, flat.full]
     inner = getattr(opt, "inner", opt)
     for state in inner.state.values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
@@ -346,6 +351,7 @@ MEMORY_CASES = {  # name -> (ComputeConfig keyword arguments, theory in units of
     "zero0": ({}, lambda n: 16),
     "zero1": ({"use_zero": True}, lambda n: 4 + 12 / n),
     "zero2": ({"use_zero": True, "zero_stage": 2}, lambda n: 2 + 14 / n),
+    "zero3": ({"use_zero": True, "zero_stage": 3}, lambda n: 16 / n),
     # reported, not checked: with reduce-scatter, stage 1 keeps the full bucket (where the next
     # backward's gradients go) and the reduced slice beside it, 2Ψ/N more than the theory
     "zero1-reduce-scatter": ({"use_zero": True, "zero_use_reduce_scatter": True}, lambda n: 4 + 12 / n),

@@ -1,0 +1,522 @@
+"""ZeRO stage 3: every rank keeps 1/S of each parameter; blocks are gathered just in time.
+
+The parameters of a ParallelModule are grouped into blocks by the module path of their original
+names up to the first layer index (`transformer.h.0`, the rule of codegen's sections; `block_of`).
+Within a block, the parameters of one dtype / device / requires_grad lie back to back in a flat
+buffer padded to a multiple of the ZeRO group size S (a `_Flat`), and rank i of the ZeRO group keeps
+elements [i*size/S, (i+1)*size/S) of it (`shard`), like the slices of stages 1 and 2. The module's
+registered parameters stay (same objects, shapes and dtypes, so optimizers and names keep working)
+but hold no data: each is a one-element tensor expanded to its shape (it reads as zeros).
+
+Forward. The generated code reads `self.<local_name>`; `ParallelModule.__getattr__` asks `fetch`,
+which all-gathers the parameter's whole block on its first access (one collective per flat buffer,
+straight into the buffer the parameters view: no copies), starts the gather of the next block in the
+order recorded during the first forward (async, so it runs while this block computes), drops the
+blocks before, and hands out a view of the gathered buffer made by `_Unshard`, an autograd Function.
+Around forward (the module's forward hooks) a `saved_tensors_hooks` pair replaces every tensor saved
+for backward that views a gathered buffer by a small token (`_Saved`), so nothing keeps the full
+parameters alive after their block; at the end of forward every gathered block is dropped.
+
+Backward. Unpacking a token gathers its block again and starts gathering the block before it in
+forward order that backward will need (backward prefetch); when the last token of a buffer dies,
+backward is done with it and it is dropped. `_Unshard`'s backward adds the gradient, divided by the
+data-parallel size, to the parameter's place in the flat buffer's gradient `Bucket` (the registered
+parameter gets no `.grad`); once every use of every parameter of the buffer has delivered its
+gradient, the bucket is reduce-scattered over the ZeRO group (async; then all-reduced over the cross
+group with several ZeRO groups) and only this rank's averaged slice is kept. At most
+`MAX_REDUCTIONS_IN_FLIGHT` full gradient buffers wait for their reduce-scatter. The gradient side
+(`sync`, `no_sync`, `zero_grad`, `owned_sq_norm`, `scale_owned`, the optimizer's `pieces`) is the
+stage-2 `Reducer`'s, and `ZeroOptimizer` steps the slices as in stage 2.
+
+Outside forward (a recomputed region in backward, or forward called without `__call__`) `fetch`
+gathers without the prefetch / drop policy; such blocks are dropped when backward ends or at the step.
+
+State dicts gather: `full_tensors` rebuilds every full local tensor (collective over the ZeRO group),
+so `state_dict()` looks like stage 1/2's and `merge_state_dicts` is unchanged; loading (`write`)
+copies this rank's slice of each full local tensor into `shard`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nnscaler.runtime.buckets import Bucket
+from nnscaler.runtime.comm import _all_gather_single
+from nnscaler.runtime.reducer import DEFAULT_BUCKET_CAP_MB, Reducer, ZeroPiece, zero_process_groups
+
+__all__ = ["Zero3Reducer", "build_zero3", "block_of"]
+
+_increment_version = getattr(torch.autograd.graph, "increment_version", None)
+
+MAX_REDUCTIONS_IN_FLIGHT = 1
+"""Backward waits for older reduce-scatters beyond this many (each holds a block's full gradients)."""
+
+
+def block_of(original_name: str) -> str:
+    """The block a parameter is gathered with: its module path up to and including the first layer
+    index (`transformer.h.0.attn.c_attn.weight` -> `transformer.h.0`), else the first two names of
+    the path (`transformer.wte.weight` -> `transformer.wte`; a top-level parameter -> "")."""
+    parts = original_name.split(".")[:-1]
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:2])
+
+
+class _Flat:
+    """Parameters of one block with one dtype, device and requires_grad, back to back."""
+
+    def __init__(self, block: _Block, names: list[str], params: list[nn.Parameter], nshards: int, index: int):
+        self.block = block
+        self.names = names
+        self.params = params
+        self.shapes = [tuple(p.shape) for p in params]
+        self.offsets: list[int] = []
+        numel = 0
+        for p in params:
+            self.offsets.append(numel)
+            numel += p.numel()
+        self.numel = numel
+        self.size = -(-numel // nshards) * nshards
+        shard = self.size // nshards
+        self.lo, self.hi = index * shard, (index + 1) * shard
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.requires_grad = params[0].requires_grad
+        with torch.no_grad():
+            full = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+            for o, p in zip(self.offsets, params):
+                full[o : o + p.numel()].copy_(p.detach().reshape(-1))
+            self.shard = full[self.lo : self.hi].clone()
+        self.full: torch.Tensor | None = None
+        """The gathered buffer while the block is gathered (or being gathered: `work`)."""
+        self.work: Any = None
+        self.bucket: Bucket | None = None
+        self.tokens = 0
+        """Saved-tensor tokens (`_Saved`) of this buffer alive."""
+        self.owner: Zero3Reducer | None = None
+        self.uses = [0] * len(params)
+        """Per parameter: times forward handed it out since backward last delivered all its gradients."""
+
+    def view(self, i: int) -> torch.Tensor:
+        assert self.full is not None
+        o = self.offsets[i]
+        return self.full[o : o + self.params[i].numel()].view(self.shapes[i])
+
+    def write(self, i: int, value: torch.Tensor) -> None:
+        """Copy this rank's part of parameter `i` (full local tensor `value`) into the shard."""
+        o, n = self.offsets[i], self.params[i].numel()
+        start, end = max(o, self.lo), min(o + n, self.hi)
+        if start < end:
+            flat = value.detach().reshape(-1)
+            self.shard[start - self.lo : end - self.lo].copy_(flat[start - o : end - o])
+
+
+class _Block:
+    """The flat buffers gathered together (one block of the model)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.flats: list[_Flat] = []
+
+    @property
+    def gathered(self) -> bool:
+        return any(f.full is not None for f in self.flats)
+
+
+class _Saved:
+    """What a tensor saved for backward becomes when it views a gathered buffer: how to view it again.
+
+    The flat buffer counts its tokens alive: when the last one goes (backward ran every node that
+    saved one), backward needs the gathered buffer no more and it is dropped."""
+
+    __slots__ = ("flat", "size", "stride", "offset")
+
+    def __init__(self, flat: _Flat, t: torch.Tensor) -> None:
+        self.flat, self.size, self.stride, self.offset = flat, t.size(), t.stride(), t.storage_offset()
+        flat.tokens += 1
+
+    def __del__(self) -> None:
+        flat = self.flat
+        flat.tokens -= 1
+        if flat.tokens == 0 and flat.owner is not None:
+            flat.owner._done_with(flat)  # waits at most for this buffer's own gather
+
+
+class _Unshard(torch.autograd.Function):
+    """A gathered parameter: forward is the view of the gathered buffer; backward adds the gradient
+    to the parameter's place in its flat buffer's gradient bucket (`Zero3Reducer._take`); the registered
+    parameter gets no `.grad`."""
+
+    @staticmethod
+    def forward(ctx: Any, param: torch.Tensor, owner: Zero3Reducer, flat: _Flat, i: int) -> torch.Tensor:
+        ctx.where = (owner, flat, i)
+        return flat.view(i)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        owner, flat, i = ctx.where
+        owner._take(flat, i, grad)
+        return None, None, None, None
+
+
+class Zero3Reducer(Reducer):
+    """ZeRO stage 3 for one ParallelModule: sharded parameters, just-in-time gathers, sharded gradients.
+
+    A `Reducer` (stage 3, reduce-scatter, async) whose buckets are the flat buffers of the blocks, so
+    the gradient side (`sync`, `no_sync`, `zero_grad`, `owned_sq_norm`, `scale_owned`, `pieces`) is the
+    stage-2 one. `named` lists `(local name, original name, parameter)` in registration order.
+    """
+
+    def __init__(
+        self,
+        named: Sequence[tuple[str, str, nn.Parameter]],
+        group: dist.ProcessGroup,
+        zero_group: dist.ProcessGroup,
+        cross_group: dist.ProcessGroup | None,
+        *,
+        grad_dtype: torch.dtype | None = None,
+    ) -> None:
+        # the Reducer's fields, set here: its buckets are made from blocks, not by size
+        self.params = [p for _, _, p in named if p.requires_grad]
+        self.group = group
+        self.dp_size = dist.get_world_size(group)
+        self.zero_group, self.cross_group = zero_group, cross_group
+        self.zero, self.stage, self.scatter, self.async_op = True, 3, True, True
+        self.enabled = True
+        self._in_pass = False
+        self._queue: list[Bucket] = []
+        nshards, index = dist.get_world_size(zero_group), dist.get_rank(zero_group)
+
+        blocks: dict[str, _Block] = {}
+        groups: dict[tuple[str, torch.dtype, torch.device, bool], list[tuple[str, nn.Parameter]]] = {}
+        for local, original, p in named:
+            block = blocks.setdefault(block_of(original), _Block(block_of(original)))
+            groups.setdefault((block.name, p.dtype, p.device, p.requires_grad), []).append((local, p))
+        self.blocks = list(blocks.values())
+        self.flats: list[_Flat] = []
+        self._where: dict[str, tuple[_Flat, int]] = {}
+        """Local name -> (flat buffer, index in it)."""
+        for (name, *_), members in groups.items():
+            flat = _Flat(blocks[name], [n for n, _ in members], [p for _, p in members], nshards, index)
+            flat.owner = self
+            blocks[name].flats.append(flat)
+            self.flats.append(flat)
+            self._where.update((n, (flat, i)) for i, (n, _) in enumerate(members))
+
+        def wide(dtype: torch.dtype) -> torch.dtype:
+            if grad_dtype is None or torch.finfo(dtype).bits >= torch.finfo(grad_dtype).bits:
+                return dtype
+            return grad_dtype
+
+        self.buckets: list[Bucket] = []
+        self._hooks = []
+        self.pieces: list[ZeroPiece] = []
+        for flat in self.flats:
+            if not flat.requires_grad:
+                continue
+            bucket = Bucket(
+                flat.params, flat.size, None, None, index, nshards, self.dp_size, wide(flat.dtype)
+            )
+            flat.bucket = bucket
+            self.buckets.append(bucket)
+            for i, start, end in bucket.own_pieces():
+                o = bucket.offsets[i] + start
+                view = nn.Parameter(flat.shard[o - flat.lo : o - flat.lo + end - start], requires_grad=True)
+                self.pieces.append(ZeroPiece(flat.params[i], view, start, end, bucket, o))
+        self.upcast = any(b.upcast for b in self.buckets)
+
+        # the registered parameters keep shape, dtype and identity but no data
+        self._placeholders: list[tuple[nn.Parameter, int]] = []
+        for _, _, p in named:
+            p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+            self._placeholders.append((p, p.data_ptr()))
+
+        self._order: list[_Block] = []
+        """Blocks in the order the first forward switched to them (prefetch follows it)."""
+        self._recorded = False
+        self._recording = False
+        self._current: _Block | None = None
+        self._pos = -1
+        """Index in `_order` of the current block in forward."""
+        self._bpos = 0
+        """Index in `_order` of the block backward is in."""
+        self._bwd_current: _Block | None = None
+        self._by_ptr: dict[int, _Flat] = {}
+        """Data pointer of each gathered buffer -> its flat buffer (to recognise saved tensors)."""
+        self._hooks_ctx: Any = None
+        self._depth = 0
+
+    # ---- gathering -----------------------------------------------------------------------------------
+
+    def _gather(self, block: _Block) -> None:
+        """Start all-gathering the flat buffers of `block` that are not gathered (async)."""
+        for flat in block.flats:
+            if flat.full is None:
+                flat.full = torch.empty(flat.size, dtype=flat.dtype, device=flat.device)
+                flat.work = _all_gather_single(flat.full, flat.shard, group=self.zero_group, async_op=True)
+                self._by_ptr[flat.full.data_ptr()] = flat
+
+    @staticmethod
+    def _wait(flat: _Flat) -> None:
+        if flat.work is not None:
+            flat.work.wait()
+            flat.work = None
+
+    def _release(self, flat: _Flat) -> None:
+        if flat.full is not None:
+            self._wait(flat)
+            self._by_ptr.pop(flat.full.data_ptr(), None)
+            flat.full = None
+
+    def release_all(self) -> None:
+        """Drop every gathered buffer (waits for gathers in flight)."""
+        for flat in list(self._by_ptr.values()):
+            self._release(flat)
+        self._current = None
+
+    def live_blocks(self) -> list[str]:
+        """Names of the blocks gathered now (or being gathered)."""
+        return [b.name for b in self.blocks if b.gathered]
+
+    # ---- forward -------------------------------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        """Before the module's forward: record the block order (first time), recognise saved tensors."""
+        self._depth += 1
+        if self._depth > 1:
+            return
+        self._recording = not self._recorded
+        self._current, self._pos = None, -1
+        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks_ctx.__enter__()
+
+    def end_forward(self) -> None:
+        """After the module's forward (also when it raised): drop every gathered block."""
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        if self._hooks_ctx is not None:
+            self._hooks_ctx.__exit__(None, None, None)
+            self._hooks_ctx = None
+        if self._recording:
+            self._recorded, self._recording = True, False
+        self._bpos, self._bwd_current = len(self._order), None
+        self.release_all()
+
+    def fetch(self, name: str) -> torch.Tensor | None:
+        """The full local tensor of parameter `name` for forward (None: not a sharded parameter)."""
+        where = self._where.get(name)
+        if where is None:
+            return None
+        flat, i = where
+        if self._depth == 0:  # outside forward (recomputation in backward, forward called directly)
+            if flat.full is None:
+                self._gather(flat.block)  # kept until backward is done with it or the next step
+        elif flat.block is not self._current or flat.full is None:
+            self._enter(flat.block)
+        self._wait(flat)
+        if flat.requires_grad and torch.is_grad_enabled():
+            if self._depth:  # a recomputed forward's graph is not backpropagated
+                flat.uses[i] += 1
+            return _Unshard.apply(flat.params[i], self, flat, i)
+        return flat.view(i)
+
+    def _enter(self, block: _Block) -> None:
+        """Switch forward to `block`: gather it, prefetch the next one, drop the others."""
+        if self._recording:
+            self._order.append(block)
+        order, nxt = self._order, self._pos + 1
+        if nxt < len(order) and order[nxt] is block:
+            self._pos = nxt
+        else:
+            self._pos = next((k for k, b in enumerate(order) if b is block), -1)
+        ahead = order[self._pos + 1] if 0 <= self._pos < len(order) - 1 and not self._recording else None
+        for flat in list(self._by_ptr.values()):  # the gathered ones
+            if flat.block is not block and flat.block is not ahead:
+                self._release(flat)
+        self._gather(block)
+        if ahead is not None:
+            self._gather(ahead)
+        self._current = block
+
+    # ---- saved tensors ---------------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self._by_ptr and t.layout is torch.strided and not t.is_meta:
+            try:
+                flat = self._by_ptr.get(t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # a tensor without storage (subclass, functional)
+                return t
+            if flat is not None and t.dtype == flat.dtype:
+                return _Saved(flat, t)
+        return t
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if type(saved) is not _Saved:
+            return saved
+        flat = saved.flat
+        if flat.block is not self._bwd_current:  # backward reached another block
+            self._bwd_current = flat.block
+            self._gather(flat.block)
+            self._prefetch_backward(flat.block)
+        elif flat.full is None:
+            self._gather(flat.block)
+        self._wait(flat)
+        assert flat.full is not None
+        return flat.full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _prefetch_backward(self, block: _Block) -> None:
+        """Backward gathers `block`: start gathering the block that ran before it in forward."""
+        order = self._order
+        k = next((k for k in range(min(self._bpos, len(order)) - 1, -1, -1) if order[k] is block), -1)
+        if k < 0:
+            k = next((k for k in range(len(order) - 1, -1, -1) if order[k] is block), -1)
+        if k < 0:
+            return
+        self._bpos = k
+        for before in order[k - 1 :: -1] if k > 0 else []:  # the first one backward will need
+            if before is not block and any(f.tokens for f in before.flats):
+                self._gather(before)
+                return
+
+    def _done_with(self, flat: _Flat) -> None:
+        """The last saved tensor viewing `flat`'s gathered buffer is gone: outside forward, drop it."""
+        if self._depth == 0:
+            self._release(flat)
+
+    # ---- gradients (the Reducer's, handed over by _Unshard; and dropping what backward is done with) --
+
+    @torch.no_grad()
+    def _take(self, flat: _Flat, i: int, grad: torch.Tensor) -> None:
+        """Backward of one use of parameter `i` of `flat`: add `grad` (divided by the data-parallel size)
+        to the bucket. Once every use of every parameter of the flat buffer has given its gradient, start
+        the reduce-scatter and drop the gathered parameters."""
+        bucket = flat.bucket
+        assert bucket is not None
+        if bucket.phase:  # an earlier backward's reduction (no sync in between): finish it first
+            self._drain(until=bucket)
+        if not self._in_pass:
+            self._in_pass = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+        flat.uses[i] = max(flat.uses[i] - 1, 0)
+        if not bucket.accept(i, grad, arrive=flat.uses[i] == 0):
+            return
+        if self.enabled:
+            self._launch(bucket)
+            self._reap()
+            # bound the full gradient buffers in flight: take in the oldest reduce-scatters (in launch
+            # order, the same on every rank) so that only the slices stay
+            while len(self._queue) > MAX_REDUCTIONS_IN_FLIGHT:
+                self._drain(until=self._queue[0])
+        self._release(flat)
+
+    def zero_grad(self) -> None:
+        """Drop all gradients, including the memory of the gradient slices (reallocated by backward)."""
+        super().zero_grad()
+        for bucket in self.buckets:
+            bucket._scatter_out = None
+
+    def _end_pass(self) -> None:
+        super()._end_pass()
+        for flat in self.flats:  # uses whose gradient did not come (an output not backpropagated)
+            flat.uses = [0] * len(flat.params)
+        self._bwd_current = None
+        if self._depth == 0:
+            self.release_all()
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """After an optimizer step: the shards changed, so drop whatever is still gathered."""
+        self.release_all()
+
+    # ---- whole tensors (checkpoints) ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def full_tensors(self) -> dict[str, torch.Tensor]:
+        """Local name -> the full local tensor of every parameter (collective over the ZeRO group)."""
+        out: dict[str, torch.Tensor] = {}
+        for flat in self.flats:
+            full = torch.empty(flat.size, dtype=flat.dtype, device=flat.device)
+            _all_gather_single(full, flat.shard, group=self.zero_group)
+            for i, name in enumerate(flat.names):
+                o = flat.offsets[i]
+                out[name] = full[o : o + flat.params[i].numel()].view(flat.shapes[i])
+        return out
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    @torch.no_grad()
+    def write(self, name: str, value: torch.Tensor) -> None:
+        """Load parameter `name` from its full local tensor `value` (this rank keeps its slice)."""
+        flat, i = self._where[name]
+        flat.write(i, value)
+        self._release(flat)
+        if _increment_version is not None:  # a mixed-precision optimizer refreshes its master
+            _increment_version(flat.params[i])
+
+    @torch.no_grad()
+    def broadcast(self, src: int) -> None:
+        """Make the data-parallel replicas equal: gather each flat buffer in every ZeRO group, broadcast
+        the one of global rank `src` over the data-parallel group, keep this rank's slice."""
+        self.release_all()
+        for flat in self.flats:
+            full = torch.empty(flat.size, dtype=flat.dtype, device=flat.device)
+            _all_gather_single(full, flat.shard, group=self.zero_group)
+            dist.broadcast(full, src=src, group=self.group)
+            flat.shard.copy_(full[flat.lo : flat.hi])
+            for p in flat.params if _increment_version is not None else []:
+                _increment_version(p)
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise if the parameters were moved or replaced since they were sharded."""
+        for p, ptr in self._placeholders:
+            if p.data_ptr() != ptr or any(s != 0 for s in p.stride()):
+                raise RuntimeError(
+                    "the parameters of a ZeRO-3 ParallelModule were moved or replaced (e.g. by module.to()) "
+                    "after they were sharded; move the module first, then call build_optimizer"
+                )
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held now: full gradient buffers, reduced gradient slices, parameter shards, and the
+        gathered (full) parameter buffers."""
+        total = super().nbytes()
+        total["params"] = sum(f.shard.numel() * f.shard.element_size() for f in self.flats)
+        total["gathered"] = sum(f.size * f.shard.element_size() for f in self.flats if f.full is not None)
+        return total
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        self.release_all()
+
+
+def build_zero3(module: Any) -> Reducer | None:
+    """The ZeRO-3 reducer of a ParallelModule `module` (its registered parameters, "dp" group and
+    `compute_config`; see `Zero3Reducer`); None with one replica, a plain all-reduce `Reducer` when the
+    ZeRO groups have one rank each (nothing to shard). Collective: creates the ZeRO groups of every
+    data-parallel group, like `build_reducer`."""
+    dp_group, config = module.group("dp"), module.compute_config
+    if dp_group is None:
+        return None
+    named = [(n, i.original_name, module._tensor(n)) for n, i in module.fullmap.items() if i.is_param]
+    zero_group, cross_group = zero_process_groups(
+        module.rank, module.world_size, module.plan_ngpus, config.zero_ngroups
+    )
+    grad_dtype = torch.float32 if getattr(config, "reduce_grads_in_fp32", False) else None
+    if zero_group is None:
+        cap = config.reducer_bucket_cap_mb
+        return Reducer(
+            [p for _, _, p in named],
+            dp_group,
+            bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if cap is None else cap,
+            async_op=config.use_async_reducer,
+            grad_dtype=grad_dtype,
+        )
+    return Zero3Reducer(named, dp_group, zero_group, cross_group, grad_dtype=grad_dtype)
