@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from nnscaler.errors import TraceError
+from nnscaler.graph.capture.library_tracing import static_shape_choices
 
 __all__ = ["check_forward_args", "untraced_defaults", "export_module"]
 
@@ -74,7 +75,8 @@ def _user_frame(exc: BaseException) -> str:
 def export_module(module: torch.nn.Module, kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
     """torch.export the module; turn capture failures into TraceErrors that name the user's source line."""
     try:
-        return torch.export.export(module, (), kwargs=kwargs, strict=False)
+        with static_shape_choices(kwargs):
+            return torch.export.export(module, (), kwargs=kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - every capture failure is re-raised with context
         msg = str(exc)
         where = _user_frame(exc)
