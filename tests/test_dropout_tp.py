@@ -3,6 +3,9 @@ ranks holding different shards of an activation draw independent masks."""
 
 from __future__ import annotations
 
+import inspect
+import sys
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -117,3 +120,54 @@ def test_attention_dropout_on_head_shards(tmp_path):
     assert torch.equal(a["after"], a["untouched"]) and torch.equal(b["after"], b["untouched"])
     code = next(tmp_path.glob("**/gencode0.py")).read_text()
     assert "with rng.shard_rng(tp, self.device):" in code
+
+
+class DropBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 64)
+        self.down = nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = F.dropout(F.gelu(self.up(x)), 0.5, self.training)  # sharded under tp
+        return F.dropout(self.down(h), 0.5, self.training)  # replicated
+
+
+class DropNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = DropBlock()
+
+    def forward(self, x, y):
+        return F.mse_loss(self.block(x), y)
+
+
+def _grads_with_and_without_recompute(rank, world_size, tmp):
+    from nnscaler import parallelize
+    from nnscaler.runtime import rng
+
+    out = {}
+    for name, pas in (("plain", {}), ("recompute", {"recompute_modules": "DropBlock"})):
+        torch.manual_seed(0)
+        cfg = ComputeConfig(2, 2, pas_config=pas)
+        pm = parallelize(DropNet().train(), _batch(), "tp", cfg, gen_savedir=f"{tmp}/{name}")
+        rng._GENERATORS.clear()  # both runs start the shard streams from the seed
+        torch.manual_seed(1234)
+        loss = pm(**_batch())
+        loss.backward()
+        out[name] = {
+            "loss": loss.item(),
+            "grads": {pm.fullmap[n].original_name: p.grad.clone() for n, p in pm.named_parameters()},
+            "code": inspect.getsource(sys.modules[type(pm).__module__]),
+        }
+    return out
+
+
+def test_recompute_replays_sharded_dropout_masks(tmp_path):
+    """Backward recomputes the block: it must draw the forward's masks, also the shard-stream ones."""
+    results = spawn(_grads_with_and_without_recompute, 2, tmp_path, str(tmp_path))
+    for r in results:
+        assert "context_fn=rng.recompute_contexts(tp, self.device)" in r["recompute"]["code"]
+        assert r["recompute"]["loss"] == r["plain"]["loss"]
+        for name, grad in r["plain"]["grads"].items():
+            torch.testing.assert_close(r["recompute"]["grads"][name], grad, rtol=0, atol=0, msg=name)

@@ -99,7 +99,11 @@ def build_sections(
             new_line(s, 1)
         ret = ", ".join(outs)
         sections[-1].lines.append(line_cls([], f"return {ret}", "", False, "", 1))
-        call_args = ", ".join([fn, *ins, "use_reentrant=False"])
+        extra = ["use_reentrant=False"]
+        if any(s.shard_rng or s.op.startswith("rng.") for s in block):
+            # the shard generator is not one torch.utils.checkpoint restores: replay it explicitly
+            extra.append("context_fn=rng.recompute_contexts(tp, self.device)")
+        call_args = ", ".join([fn, *ins, *extra])
         sections[-1].lines.append(line_cls([], f"{ret} = ckpt.checkpoint({call_args})", "", False, "", 0))
         i = j
     return sections, uses_checkpoint

@@ -16,7 +16,7 @@ import torch
 
 from nnscaler.runtime.comm import Group, rank_in_group
 
-__all__ = ["sharded_dropout", "shard_generator", "shard_rng"]
+__all__ = ["sharded_dropout", "shard_generator", "shard_rng", "recompute_contexts"]
 
 _GENERATORS: dict[tuple[str, int], torch.Generator] = {}
 _OFFSET = 2718  # keeps the shard streams apart from the default stream's seed
@@ -67,3 +67,31 @@ def shard_rng(group: Group, device: torch.device):
         else:
             gen.set_state(torch.get_rng_state())
             torch.set_rng_state(saved)
+
+
+def recompute_contexts(group: Group, device: torch.device):
+    """`context_fn` for torch.utils.checkpoint around a region with sharded random ops: the
+    recomputation in backward draws the same shard random numbers as the forward did.
+
+    torch.utils.checkpoint restores the default generators only; this records the shard
+    generator's state when the region's forward starts and sets it back for the recomputation.
+    """
+
+    def context_fn():
+        if group is None or torch.distributed.get_world_size(group) == 1:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        gen = shard_generator(torch.device(device), group)
+        at_forward = gen.get_state()
+
+        @contextlib.contextmanager
+        def replay():
+            current = gen.get_state()
+            gen.set_state(at_forward)
+            try:
+                yield
+            finally:
+                gen.set_state(current)
+
+        return contextlib.nullcontext(), replay()
+
+    return context_fn
