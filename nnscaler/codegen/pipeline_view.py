@@ -9,17 +9,15 @@ from nnscaler.codegen.view_model import (
     CodeLine,
     ModuleView,
     Section,
-    ShardLine,
     StageView,
-    _shard_arg,
-    _shard_comment,
     _trailing,
     _unpack_inputs,
+    custom_op_imports,
     end2end_attrs,
+    shard_lines,
 )
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import CodegenError
-from nnscaler.graph.ops import op_module
 from nnscaler.partition import LocalTensor, PipelineProgram
 
 __all__ = ["PipelineLayout", "build_pipeline_view"]
@@ -120,15 +118,7 @@ def build_pipeline_view(
     tensors = _stage_tensors(pprog, mine)
     param_names = {t.name for t in tensors}
     fmt = Formatter(tp_index, param_names, sync_batch_norm=cfg.runtime_ngpus > cfg.plan_ngpus)
-    shards = []
-    for t in tensors:
-        kind = "" if t.is_param else ", is_param=False" + ("" if t.persistent else ", persistent=False")
-        code = (
-            f'self.add_shard("{t.name}", "{t.original_name}", {tuple(t.full_shape)}, torch.{t.dtype}'
-            f"{_shard_arg(t.layout, tp_index, ways)}{kind})"
-        )
-        shards.append(ShardLine(code, _shard_comment(t, t.layout, ways)))
-    aliases = [f'self.add_alias("{a}", "{t.original_name}")' for t in tensors for a in t.aliases]
+    shards, aliases = shard_lines(tensors, tp_index, ways)
     tied = _tied_groups(pprog)
     tied_lines = [
         f'self.add_tied("{name}", {[layout.rank(base, g, tp_index) for g in groups]})'
@@ -173,19 +163,10 @@ def build_pipeline_view(
     input_names = sorted({n for s in pprog.stages for n in s.graph_inputs})
     defaults = [f"{k}={v!r}" for k, v in pprog.inputs.untraced_args.items()]
     signature = ", ".join(["self"] + pprog.inputs.forward_args + defaults)
-    if pprog.inputs.untraced_args:
-        given = ", ".join(f'"{k}": {k}' for k in pprog.inputs.untraced_args)
-        unpack.insert(0, f"self.check_untraced_args({{{given}}}, {pprog.inputs.untraced_args!r})")
-    op_modules = {
-        op_module(st.op)
-        for s in mine
-        for st in pprog.stages[s].program.statements
-        if st.kind == "op" and not st.op.startswith("aten.")
-    }
-    imports = [f"{m}  # registers the custom ops called below" for m in sorted(m for m in op_modules if m)]
+    statements = [st for s in mine for st in pprog.stages[s].program.statements]
+    imports = custom_op_imports(statements)
     rank_of = stage_ranks.__getitem__
     args = (pipe.scheduler, pipe.nstages, pipe.pp_size, pipe.nmicros, group, rank_of)
-    statements = [st for s in mine for st in pprog.stages[s].program.statements]
     return ModuleView(
         header,
         imports,

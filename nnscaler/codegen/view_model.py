@@ -11,7 +11,7 @@ from nnscaler.codegen.sections import build_sections
 from nnscaler.config import ComputeConfig
 from nnscaler.graph.ir import Replicate, Shard, iter_refs
 from nnscaler.graph.ops import op_module
-from nnscaler.partition import Program, Statement
+from nnscaler.partition import LocalTensor, Program, Statement
 
 __all__ = [
     "ShardLine",
@@ -146,15 +146,7 @@ def build_module_view(
     ]
     param_names = {t.name for t in program.tensors}
     fmt = Formatter(tp_index, param_names, sync_batch_norm=cfg.runtime_ngpus > cfg.plan_ngpus)
-    shards = []
-    for t in program.tensors:
-        kind = "" if t.is_param else ", is_param=False" + ("" if t.persistent else ", persistent=False")
-        code = (
-            f'self.add_shard("{t.name}", "{t.original_name}", {tuple(t.full_shape)}, torch.{t.dtype}'
-            f"{_shard_arg(t.layout, tp_index, ways)}{kind})"
-        )
-        shards.append(ShardLine(code, _shard_comment(t, t.layout, ways)))
-    aliases = [f'self.add_alias("{a}", "{t.original_name}")' for t in program.tensors for a in t.aliases]
+    shards, aliases = shard_lines(program.tensors, tp_index, ways)
     sections, uses_checkpoint = build_sections(
         program, fmt, lambda s: _trailing(s, program, full_shapes), CodeLine, Section
     )
@@ -170,10 +162,7 @@ def build_module_view(
         f"{m}  # registers the output type with pytree"
         for m in sorted({t.rsplit(".", 1)[0] for t in _spec_types(spec) if "." in t} if spec_json else set())
     ]
-    op_modules = {
-        op_module(s.op) for s in program.statements if s.kind == "op" and not s.op.startswith("aten.")
-    }
-    imports += [f"{m}  # registers the custom ops called below" for m in sorted(m for m in op_modules if m)]
+    imports += custom_op_imports(program.statements)
     init_call = (
         f"super().__init__(rank={rank}, world_size={cfg.runtime_ngpus}, plan_ngpus={cfg.plan_ngpus}, "
         f'groups={{"tp": {tp_group}, "dp": {dp_group}}}, all_groups={all_groups})'
@@ -181,9 +170,6 @@ def build_module_view(
     defaults = [f"{k}={v!r}" for k, v in program.untraced_args.items()]
     signature = ", ".join(["self"] + program.forward_args + defaults)
     unpack, in_spec_json = _unpack_inputs(program)
-    if program.untraced_args:
-        given = ", ".join(f'"{k}": {k}' for k in program.untraced_args)
-        unpack.insert(0, f"self.check_untraced_args({{{given}}}, {program.untraced_args!r})")
     view = ModuleView(
         header,
         imports,
@@ -221,12 +207,37 @@ def end2end_attrs(
     ]
 
 
+def shard_lines(tensors: list[LocalTensor], tp_index: int, ways: int) -> tuple[list[ShardLine], list[str]]:
+    """`add_shard` lines for this rank's parameters and buffers, and `add_alias` lines for tied names."""
+    shards = []
+    for t in tensors:
+        kind = "" if t.is_param else ", is_param=False" + ("" if t.persistent else ", persistent=False")
+        code = (
+            f'self.add_shard("{t.name}", "{t.original_name}", {tuple(t.full_shape)}, torch.{t.dtype}'
+            f"{_shard_arg(t.layout, tp_index, ways)}{kind})"
+        )
+        shards.append(ShardLine(code, _shard_comment(t, t.layout, ways)))
+    aliases = [f'self.add_alias("{a}", "{t.original_name}")' for t in tensors for a in t.aliases]
+    return shards, aliases
+
+
+def custom_op_imports(statements: list[Statement]) -> list[str]:
+    """Modules to import so the custom ops the statements call are registered."""
+    modules = {op_module(s.op) for s in statements if s.kind == "op" and not s.op.startswith("aten.")}
+    return [f"{m}  # registers the custom ops called below" for m in sorted(m for m in modules if m)]
+
+
 def _unpack_inputs(program: Program) -> tuple[list[str], str | None]:
-    """Plain tensor arguments are used by name; nested or non-tensor ones are flattened as traced."""
+    """Plain tensor arguments are used by name; nested or non-tensor ones are flattened as traced;
+    arguments left at their defaults when traced are checked."""
+    check = []
+    if program.untraced_args:
+        given = ", ".join(f'"{k}": {k}' for k in program.untraced_args)
+        check = [f"self.check_untraced_args({{{given}}}, {program.untraced_args!r})"]
     if program.input_leaves == program.forward_args:
-        return [], None
+        return check, None
     kwargs = ", ".join(f'"{a}": {a}' for a in program.forward_args)
-    lines = [
+    lines = check + [
         f"leaves, spec = pytree.tree_flatten(((), {{{kwargs}}}))",
         "self.check_input_structure(spec, _IN_SPEC)",
     ]
