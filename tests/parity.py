@@ -73,6 +73,21 @@ def _batch_seed(step: int, replica: int, micro: int | None = None) -> int:
     return step * 100 + replica
 
 
+def _step_batch(make_batch, seed: int, batch_size: int, step: int, shapes) -> dict[str, Any]:
+    """The batch of one step: `make_batch(seed, batch_size)`, or with `shapes`, that step's
+    (batch size, sequence length): every tensor with a sequence dim (dim 1) is cut to that length."""
+    if shapes is None:
+        return make_batch(seed, batch_size)
+    size, seq = shapes[step]
+    batch = make_batch(seed, size)
+    if seq is None:
+        return batch
+    return {
+        k: (v[:, :seq].contiguous() if isinstance(v, torch.Tensor) and v.dim() > 1 else v)
+        for k, v in batch.items()
+    }
+
+
 def _cat_batches(batches: list[dict[str, Any]]) -> dict[str, Any]:
     """Concatenate forward kwargs along batch dim 0 (non-tensor values must agree)."""
     out: dict[str, Any] = {}
@@ -105,6 +120,7 @@ def train_parallel(
     module_dtype: torch.dtype | None = None,
     merge_optimizer: bool = False,
     nmicros: int | None = None,
+    shapes: list[tuple[int, int | None]] | None = None,
 ) -> dict[str, Any]:
     """One rank's share of a parity run; returns its losses and (rank 0) the merged state dict
     (`merged`) and, with `merge_optimizer`, the merged optimizer state dict (`merged_optimizer`).
@@ -129,14 +145,15 @@ def train_parallel(
     for step in range(steps):
         if nmicros is not None:
             micro = [
-                _to(make_batch(_batch_seed(step, replica, m), batch_size), device) for m in range(nmicros)
+                _to(_step_batch(make_batch, _batch_seed(step, replica, m), batch_size, step, shapes), device)
+                for m in range(nmicros)
             ]
             step_losses = pm.train_step(micro)
             opt.step()
             opt.zero_grad()
             losses.extend(float(x) for x in step_losses)
             continue
-        batch = _to(make_batch(_batch_seed(step, replica), batch_size), device)
+        batch = _to(_step_batch(make_batch, _batch_seed(step, replica), batch_size, step, shapes), device)
         loss = zoo.extract_loss(pm(**batch))
         loss.backward()
         opt.step()
@@ -193,6 +210,7 @@ def train_reference(
     module_dtype: torch.dtype | None = None,
     return_optimizer: bool = False,
     nmicros: int | None = None,
+    shapes: list[tuple[int, int | None]] | None = None,
 ) -> Any:
     """Train the single-device model on all replicas' batches at once; return losses and model (and,
     with `return_optimizer`, the optimizer). `module_dtype`: cast the model first, as parallelize does.
@@ -206,7 +224,7 @@ def train_reference(
     for step in range(steps):
         for m in range(nmicros or 1):
             seeds = [_batch_seed(step, k, m if nmicros else None) for k in range(num_replicas)]
-            batch = _cat_batches([make_batch(seed, batch_size) for seed in seeds])
+            batch = _cat_batches([_step_batch(make_batch, seed, batch_size, step, shapes) for seed in seeds])
             loss = zoo.extract_loss(model(**batch))
             loss.backward()  # micro-batch gradients add up
             losses.append(loss.detach().float().item())
@@ -316,6 +334,7 @@ def run_parity(
     config_kwargs: dict[str, Any] | None = None,
     module_dtype: torch.dtype | None = None,
     nmicros: int | None = None,
+    shapes: list[tuple[int, int | None]] | None = None,
 ) -> list[dict[str, Any]]:
     """Train `model_name` under `policy` with ComputeConfig(plan_ngpus, runtime_ngpus) for `steps`
     optimizer steps and assert it matches single-device training. Returns the per-rank results.
@@ -325,7 +344,11 @@ def run_parity(
     `module_dtype` (e.g. torch.bfloat16) casts both models before training (parallelize's argument).
     `nmicros`: end-to-end mode (pass use_end2end=True in config_kwargs): each step is one
     `train_step` over `nmicros` micro-batches, against single-device gradient accumulation over them.
+    `shapes`: one (batch size, sequence length or None) per step, other than the traced
+    (`batch_size`, full length): the module is compiled once and called with each (steps = len(shapes)).
     """
+    if shapes is not None:
+        steps = len(shapes)
     if atol is None:
         atol = OPTIMIZERS[optimizer][2]
     if runtime_ngpus % plan_ngpus != 0:
@@ -347,6 +370,7 @@ def run_parity(
         module_dtype,
         False,
         nmicros,
+        shapes,
         timeout=timeout,
     )
     ref_losses, ref_model = train_reference(
@@ -358,6 +382,7 @@ def run_parity(
         optimizer_kwargs,
         module_dtype,
         nmicros=nmicros,
+        shapes=shapes,
     )
     policy_name = policy if isinstance(policy, str) else getattr(policy, "__name__", repr(policy))
     extra = "".join(f", {k}={v!r}" for k, v in (config_kwargs or {}).items())

@@ -11,6 +11,7 @@ the same model and the same batch in every process. No weights are downloaded.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -341,7 +342,13 @@ PARITY_MODELS = ("mlp", "gpt", "llama", "gpt2")
 
 
 def build(name: str, seed: int = 0) -> tuple[nn.Module, MakeBatch]:
-    """Build zoo model `name` from `seed`; returns (model, make_batch)."""
+    """Build zoo model `name` from `seed`; returns (model, make_batch).
+
+    `name` may also be `"module:function"` (e.g. `"tests.models_tied:build_matmul"`): a builder kept
+    beside the test that uses it, importable by spawned ranks."""
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        return getattr(importlib.import_module(module), attr)(seed)
     if name not in MODELS:
         raise ValueError(f"unknown zoo model {name!r}; known: {sorted(MODELS)}")
     return MODELS[name](seed)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from nnscaler.graph.ir import Ref
+from nnscaler.graph.ir import Ref, SymExpr
 from nnscaler.partition import GROUP, RankScaled, Statement
 
 __all__ = ["Formatter", "statement_code"]
@@ -34,6 +34,8 @@ class Formatter:
             return "tp"
         if isinstance(obj, RankScaled):
             return str(self.tp_index * obj.scale)
+        if isinstance(obj, SymExpr):  # a size computed from the input shapes at run time
+            return obj.code
         if isinstance(obj, bool) or obj is None:
             return repr(obj)
         if isinstance(obj, float):
@@ -95,6 +97,8 @@ _METHOD = {  # aten op -> tensor method taking the remaining positional args
     "aten.view_as.default": "view_as",
     "aten.expand_as.default": "expand_as",
     "aten.clone.default": "clone",
+    "aten.lift_fresh_copy.default": "clone",  # a constant made in forward (torch.tensor(...))
+    "aten.detach.default": "detach",
     "aten.masked_fill.Scalar": "masked_fill",
     "aten.masked_fill.Tensor": "masked_fill",
 }
@@ -283,6 +287,11 @@ def op_expression(s: Statement, f: Formatter) -> str:
     return _call(f"torch.ops.{op}", [f(a) for a in s.args], {k: f(v) for k, v in s.kwargs.items()})
 
 
+def _operand(code: str) -> str:
+    """Parenthesise a rendered value used as an operand unless it is a plain name or number."""
+    return code if code.replace("_", "").replace(".", "").isalnum() else f"({code})"
+
+
 def statement_code(s: Statement, f: Formatter) -> str:
     """One assignment line for the statement."""
     if s.kind == "op":
@@ -294,9 +303,9 @@ def statement_code(s: Statement, f: Formatter) -> str:
             {k: f(v) for k, v in s.kwargs.items()},
         )
     elif s.kind == "scale":
-        rhs = f"{f(s.args[0])} / {f(s.args[1])}"
+        rhs = f"{f(s.args[0])} / {_operand(f(s.args[1]))}"
     elif s.kind == "bias":
-        rhs = f"{f(s.args[0])} + {f(s.args[1])}"
+        rhs = f"{f(s.args[0])} + {_operand(f(s.args[1]))}"
     else:
         raise ValueError(f"unknown statement kind {s.kind}")
     if s.tuple_output:

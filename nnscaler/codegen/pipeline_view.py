@@ -5,6 +5,7 @@ from __future__ import annotations
 from nnscaler.codegen.expr import Formatter
 from nnscaler.codegen.schedule_code import pipeline_infer_lines, pipeline_train_lines
 from nnscaler.codegen.sections import build_sections
+from nnscaler.codegen.shape_code import shape_code, sizes_read, uses_math
 from nnscaler.codegen.view_model import (
     CodeLine,
     ModuleView,
@@ -12,6 +13,7 @@ from nnscaler.codegen.view_model import (
     StageView,
     _trailing,
     _unpack_inputs,
+    constants_attrs,
     custom_op_imports,
     end2end_attrs,
     shard_lines,
@@ -97,7 +99,7 @@ def _tied_groups(pprog: PipelineProgram) -> dict[str, list[int]]:
 
 
 def _spec(meta) -> str:
-    return f"TensorSpec({tuple(meta.shape)}, torch.{meta.dtype}, {meta.requires_grad})"
+    return f"TensorSpec({shape_code(meta)}, torch.{meta.dtype}, {meta.requires_grad})"
 
 
 def build_pipeline_view(
@@ -150,24 +152,21 @@ def build_pipeline_view(
         f"stage -> rank: {stage_ranks}",
         f"groups: tensor-parallel {groups['tp']}; pipeline {groups['pp']}; data-parallel {dp_group}",
     ]
-    specs = ",\n".join(
-        f"        {s.index}: [{', '.join(_spec(m) for m in s.received_meta)}]" for s in pprog.stages
-    )
     class_attrs = end2end_attrs(pprog.inputs.forward_args, pipe.nmicros, stage_ranks[pipe.nstages - 1], True)
-    class_attrs.append(
-        "stage_inputs = {  # what each stage receives: shape, dtype, whether a gradient flows back\n"
-        + specs
-        + "\n    }"
-    )
-    unpack, in_spec_json = _unpack_inputs(pprog.inputs)
+    class_attrs += constants_attrs(pprog.inputs)
+    rules = pprog.inputs.shape_rules + [r for s in pprog.stages for r in s.program.shape_rules]
+    unpack, in_spec_json = _unpack_inputs(pprog.inputs, rules)
     input_names = sorted({n for s in pprog.stages for n in s.graph_inputs})
+    input_names += sorted(pprog.inputs.size_names)
     defaults = [f"{k}={v!r}" for k, v in pprog.inputs.untraced_args.items()]
     signature = ", ".join(["self"] + pprog.inputs.forward_args + defaults)
     statements = [st for s in mine for st in pprog.stages[s].program.statements]
+    specs = {s.index: [_spec(m) for m in s.received_meta] for s in pprog.stages}
+    spec_sizes = sizes_read([m for codes in specs.values() for m in codes], pprog.inputs.size_names)
     imports = custom_op_imports(statements)
     rank_of = stage_ranks.__getitem__
     args = (pipe.scheduler, pipe.nstages, pipe.pp_size, pipe.nmicros, group, rank_of)
-    return ModuleView(
+    view = ModuleView(
         header,
         imports,
         rank,
@@ -194,6 +193,12 @@ def build_pipeline_view(
             f"stage{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))}."
         ),
     )
+    view.stage_specs = specs
+    view.stage_spec_sizes = [f'{n} = x["{n}"]' for n in spec_sizes]
+    view.uses_math = uses_math([(st.args, st.kwargs) for st in statements]) or any(
+        "math." in c for codes in specs.values() for c in codes
+    )
+    return view
 
 
 def _stage_view(
@@ -214,5 +219,6 @@ def _stage_view(
         else f"outputs go to stage {index + 1}"
     )
     doc = f"Stage {index} of {len(pprog.stages)}: {first or 'start'} .. {last or 'end'}; {role}."
-    reads = [f'{n} = x["{n}"]' for n in stage.graph_inputs]
+    sizes = sizes_read([(st.args, st.kwargs) for st in program.statements], pprog.inputs.size_names)
+    reads = [f'{n} = x["{n}"]' for n in [*stage.graph_inputs, *sizes]]
     return StageView(index, params, doc, reads, sections, return_code), uses_checkpoint

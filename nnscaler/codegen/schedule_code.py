@@ -45,7 +45,7 @@ def _prologue(train: bool) -> list[str]:
     args = "train=True, scale_fn=scale_fn, is_dummy_batch=is_dummy_batch" if train else "train=False"
     lines = [
         f"pipe = PipelineStep(model, samples, {args})",
-        "x = [model.micro_batch_inputs(**kwargs) for kwargs in pipe.kwargs]  # traced inputs per micro-batch",
+        "x = pipe.inputs  # traced inputs and input sizes per micro-batch",
     ]
     if train:
         lines += [

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from nnscaler.codegen.expr import Formatter
 from nnscaler.codegen.schedule_code import plain_infer_lines, plain_train_lines
 from nnscaler.codegen.sections import build_sections
+from nnscaler.codegen.shape_code import rule_check_lines, size_check_lines, uses_math
 from nnscaler.config import ComputeConfig
 from nnscaler.graph.ir import Replicate, Shard, iter_refs
 from nnscaler.graph.ops import op_module
@@ -80,6 +81,8 @@ class ModuleView:
     """Lines that take tensors out of nested or non-tensor forward arguments."""
     in_spec_json: str | None = None
     uses_checkpoint: bool = False
+    uses_math: bool = False
+    """Run-time size expressions call math (ceil, floor)."""
     class_attrs: list[str] = field(default_factory=list)
     """Extra class attribute lines (end-to-end mode and pipelines)."""
     tied: list[str] = field(default_factory=list)
@@ -87,7 +90,11 @@ class ModuleView:
     stages: list[StageView] = field(default_factory=list)
     """Pipeline stage methods (then `forward` only explains how to call the module)."""
     input_names: list[str] = field(default_factory=list)
-    """Pipelines: the traced input values `micro_batch_inputs` returns."""
+    """Pipelines: the traced input values (and input sizes) `micro_batch_inputs` returns."""
+    stage_specs: dict[int, list[str]] = field(default_factory=dict)
+    """Pipelines: stage -> TensorSpec code of each activation it receives."""
+    stage_spec_sizes: list[str] = field(default_factory=list)
+    """Pipelines: lines reading the input sizes those TensorSpecs use from the micro-batch dict x."""
     train_step: list[str] = field(default_factory=list)
     """End-to-end mode: the body of `_train_step` (empty: no end-to-end functions)."""
     infer_step: list[str] = field(default_factory=list)
@@ -187,12 +194,14 @@ def build_module_view(
         in_spec_json,
         uses_checkpoint,
     )
+    view.uses_math = uses_math([(s.args, s.kwargs) for s in program.statements])
     if cfg.use_end2end:
         view.class_attrs = end2end_attrs(program.forward_args, 1, rank)
         view.train_step, view.infer_step = plain_train_lines(), plain_infer_lines()
         view.schedule_doc = (
             "End-to-end mode without pipeline stages: forward and backward of each micro-batch in turn."
         )
+    view.class_attrs += constants_attrs(program)
     return view
 
 
@@ -205,6 +214,14 @@ def end2end_attrs(
         f"forward_args = {tuple(forward_args)!r}",
         f"last_stage_rank = {last_stage_rank}  # holds the losses of a train_step",
     ]
+
+
+def constants_attrs(program: Program) -> list[str]:
+    """Where the values of tensors the forward creates from literals are (`torch.tensor([...])`)."""
+    if not program.constant_names:
+        return []
+    names = ", ".join(program.constant_names)
+    return [f'constants_file = "constants.pt"  # values of {names}: made in forward, non-persistent buffers']
 
 
 def shard_lines(tensors: list[LocalTensor], tp_index: int, ways: int) -> tuple[list[ShardLine], list[str]]:
@@ -227,9 +244,18 @@ def custom_op_imports(statements: list[Statement]) -> list[str]:
     return [f"{m}  # registers the custom ops called below" for m in sorted(m for m in modules if m)]
 
 
-def _unpack_inputs(program: Program) -> tuple[list[str], str | None]:
+def _unpack_inputs(program: Program, rules: list | None = None) -> tuple[list[str], str | None]:
     """Plain tensor arguments are used by name; nested or non-tensor ones are flattened as traced;
-    arguments left at their defaults when traced are checked."""
+    arguments left at their defaults when traced are checked; then input sizes are bound and checked
+    against the traced shapes and the `rules` (default: the program's shape rules)."""
+    lines, in_spec = _unpack_leaves(program)
+    lines += size_check_lines(program.input_meta, program.size_names, program.static_shapes)
+    rules = program.shape_rules if rules is None else rules
+    lines += rule_check_lines(rules, program.size_names, program.input_meta)
+    return lines, in_spec
+
+
+def _unpack_leaves(program: Program) -> tuple[list[str], str | None]:
     check = []
     if program.untraced_args:
         given = ", ".join(f'"{k}": {k}' for k in program.untraced_args)

@@ -17,7 +17,10 @@ from nnscaler.parallel.unannotated import check_unannotated
 from nnscaler.partition import apply_pipeline, apply_plan
 from nnscaler.policies import make_plan, resolve_policy
 
-__all__ = ["CompileResult", "compile_module"]
+__all__ = ["CompileResult", "compile_module", "CONSTANTS_FILE"]
+
+CONSTANTS_FILE = "constants.pt"
+"""Values of the tensors the forward creates from literals (non-persistent buffers of gencode)."""
 
 
 @dataclass
@@ -25,6 +28,17 @@ class CompileResult:
     outdir: Path
     graph: Graph
     seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _save_constants(outdir: Path, graph: Graph) -> None:
+    """Tensors the forward creates from literals go to constants.pt (atomically); gencode loads them."""
+    path = outdir / CONSTANTS_FILE
+    if not graph.constants:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(dict(graph.constants), tmp)
+    tmp.replace(path)
 
 
 def compile_module(
@@ -44,8 +58,9 @@ def compile_module(
     if reuse_graph and graph_file.exists():
         graph = graph_from_json(graph_file.read_text())
     else:
-        graph = capture(module, dummy_forward_args)
+        graph = capture(module, dummy_forward_args, static_shapes=cfg.constant_folding)
         write_atomic(graph_file, graph_to_json(graph))
+        _save_constants(outdir, graph)
     check_unannotated(graph)
     seconds["capture"] = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -5,7 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 from nnscaler.errors import PartitionError
-from nnscaler.graph.ir import Graph, Layout, Node, Partial, Ref, Replicate, Shard, TensorMeta, map_refs
+from nnscaler.graph.ir import (
+    Graph,
+    Layout,
+    Node,
+    Partial,
+    Ref,
+    Replicate,
+    ShapeRule,
+    Shard,
+    TensorMeta,
+    map_refs,
+    sym_floordiv,
+)
 from nnscaler.graph.ops import annotate_node, get_rule, is_bias_split, layouts_for
 from nnscaler.partition.convert import GROUP, conversion_steps
 from nnscaler.partition.program import LocalTensor, Program, RankScaled, Statement
@@ -31,8 +43,9 @@ def local_shape(shape: tuple[int, ...], layout: Layout, ways: int) -> tuple[int,
 
 
 class _Partitioner:
-    def __init__(self, graph: Graph, plan: Plan):
+    def __init__(self, graph: Graph, plan: Plan, forced_layouts: dict[str, Layout] | None = None):
         self.graph, self.plan, self.ways = graph, plan, plan.plan_ngpus
+        self.forced = _check_forced(graph, forced_layouts or {}, self.ways)
         self.program = Program(ways=self.ways, forward_args=list(graph.forward_args), out_spec=graph.out_spec)
         self.layouts: dict[str, Layout] = {name: Replicate() for name in graph.inputs}
         self.names: set[str] = set(graph.values)
@@ -46,7 +59,27 @@ class _Partitioner:
         self.names.add(name)
         return name
 
+    def _require_divisible(self, name: str, layout: Layout) -> None:
+        """A split of a size that may change between calls: the generated forward checks it divides."""
+        full = self.graph.values[name].meta if name in self.graph.values else None
+        if full is None or full.sym is None or not isinstance(layout, Shard) or self.ways == 1:
+            return
+        code = full.sym[layout.dim]
+        if code is None:
+            return
+        parts = self.ways * layout.blocks
+        test = f"{code} % {parts} == 0" if code.replace("_", "").isalnum() else f"({code}) % {parts} == 0"
+        if any(r.code == test for r in self.program.shape_rules):
+            return
+        value = self.graph.values[name]
+        producer = self.graph.node(value.producer) if value.producer else None
+        what = f"{name} (made at {producer.source})" if producer is not None and producer.source else name
+        self.program.shape_rules.append(
+            ShapeRule(test, f"the plan splits dim {layout.dim} of {what} over {parts} parts")
+        )
+
     def _meta(self, name: str, layout: Layout) -> None:
+        self._require_divisible(name, layout)
         full = self.graph.values[name].meta if name in self.graph.values else None
         if full is not None:
             self.program.local_meta[name] = TensorMeta(
@@ -115,6 +148,7 @@ class _Partitioner:
         return cur
 
     def graph_meta_alias(self, new: str, orig: str, layout: Layout) -> None:
+        self._require_divisible(orig, layout)
         full = self.graph.values[orig].meta
         if full is not None:
             self.program.local_meta[new] = TensorMeta(
@@ -123,7 +157,8 @@ class _Partitioner:
 
     # ---- parameters ----------------------------------------------------------------------------
     def _place_tensors(self) -> None:
-        """Storage layout of each parameter/buffer: what its first consumer needs."""
+        """Storage layout of each parameter/buffer: the forced one if given, else what its first consumer
+        needs (other consumers convert from it)."""
         chosen: dict[str, Layout] = {}
         for node in self.graph.nodes:
             bound = annotate_node(node, self.graph)
@@ -140,7 +175,7 @@ class _Partitioner:
         for v in self.graph.values.values():
             if v.kind not in ("param", "buffer"):
                 continue
-            layout = chosen.get(v.name, Replicate())
+            layout = self.forced[v.name] if v.name in self.forced else chosen.get(v.name, Replicate())
             self.layouts[v.name] = layout
             self._meta(v.name, layout)
             self.program.tensors.append(
@@ -165,6 +200,11 @@ class _Partitioner:
         self.program.input_constants = dict(self.graph.input_constants)
         self.program.untraced_args = dict(self.graph.untraced_args)
         self.program.recompute = tuple(self.plan.recompute)
+        self.program.input_meta = {n: self.graph.values[n].meta for n in self.graph.inputs}
+        self.program.size_names = dict(self.graph.size_names)
+        self.program.shape_rules = list(self.graph.shape_rules)
+        self.program.static_shapes = self.graph.static_shapes
+        self.program.constant_names = sorted(self.graph.constants)
         self._place_tensors()
         for node in self.graph.nodes:
             self._node(node)
@@ -249,17 +289,27 @@ class _Partitioner:
                 )
 
     def _localise_args(self, node: Node, args: tuple) -> tuple:
-        """Replace shape arguments by this rank's local shapes."""
-        out_meta = self.program.local_meta.get(node.outputs[0]) if node.outputs else None
-        if node.op in _SHAPE_ARG_OPS and out_meta is not None:
-            return (args[0], list(out_meta.shape), *args[2:])
-        if node.op == "aten.unflatten.int" and out_meta is not None:
-            dim, sizes = args[1], args[2]
+        """Divide the shape arguments of split dims by the split (sizes may be run-time expressions)."""
+        if not node.outputs or node.outputs[0] not in self.layouts:
+            return args
+        layout = self.layouts[node.outputs[0]]
+        if not isinstance(layout, Shard):
+            return args
+        d = layout.dim
+        if node.op in _SHAPE_ARG_OPS:
+            sizes = list(args[1])
+            sizes[d] = _local_size(sizes[d], self.ways)
+            return (args[0], sizes, *args[2:])
+        if node.op == "aten.unflatten.int":
+            dim, sizes = args[1], list(args[2])
             dim %= len(self.graph.values[node.input_names()[0]].meta.shape)
-            return (args[0], dim, list(out_meta.shape[dim : dim + len(sizes)]))
-        if node.op == "aten.split.Tensor" and out_meta is not None:
-            dim = (args[2] if len(args) > 2 else 0) % len(out_meta.shape)
-            return (args[0], out_meta.shape[dim], *args[2:])
+            if dim <= d < dim + len(sizes):
+                sizes[d - dim] = _local_size(sizes[d - dim], self.ways)
+            return (args[0], dim, sizes, *args[3:])
+        if node.op == "aten.split.Tensor":
+            dim = (args[2] if len(args) > 2 else 0) % len(self.graph.values[node.outputs[0]].meta.shape)
+            if dim == d:
+                return (args[0], _local_size(args[1], self.ways), *args[2:])
         return args
 
     def _special(self, node: Node, emit: str, bound, np, args, kwargs, common) -> None:
@@ -297,6 +347,11 @@ class _Partitioner:
         self._emit(Statement("bias", "add", (Ref(reduced), bias), {}, [out], **common))
 
 
+def _local_size(size, ways: int):
+    """This rank's share of a size argument; -1 (inferred) stays -1."""
+    return size if isinstance(size, int) and size == -1 else sym_floordiv(size, ways)
+
+
 def _iter(obj):
     from nnscaler.graph.ir import iter_refs
 
@@ -313,6 +368,31 @@ def _call(node: Node, graph: Graph):
     return op_call(node, graph)
 
 
-def apply_plan(graph: Graph, plan: Plan) -> Program:
-    """The SPMD program one plan replica runs; rank-specific constants stay symbolic (RankScaled)."""
-    return _Partitioner(graph, plan).run()
+def _check_forced(graph: Graph, forced: dict[str, Layout], ways: int) -> dict[str, Layout]:
+    """Forced storage layouts must name parameters/buffers of the graph and split them evenly."""
+    for name, layout in forced.items():
+        value = graph.values.get(name)
+        if value is None or value.kind not in ("param", "buffer"):
+            raise PartitionError(
+                f"forced_layouts names {name!r}, which is not a parameter or buffer of the graph"
+            )
+        if isinstance(layout, Partial):
+            raise PartitionError(
+                f"forced_layouts[{name!r}] is Partial: a stored tensor must be Replicate or Shard"
+            )
+        if isinstance(layout, Shard) and ways > 1:
+            size = value.meta.shape[layout.dim]
+            if size % (ways * layout.blocks):
+                raise PartitionError(
+                    f"forced_layouts[{name!r}] = {layout}: dim {layout.dim} of size {size} does not split into "
+                    f"{ways} x {layout.blocks} equal pieces; choose another dim or Replicate()"
+                )
+    return dict(forced)
+
+
+def apply_plan(graph: Graph, plan: Plan, forced_layouts: dict[str, Layout] | None = None) -> Program:
+    """The SPMD program one plan replica runs; rank-specific constants stay symbolic (RankScaled).
+
+    forced_layouts: parameter / buffer name -> the layout to store it in, whatever its consumers need
+    (they get converted copies); pipeline stages sharing a tied weight use it to store it alike."""
+    return _Partitioner(graph, plan, forced_layouts).run()

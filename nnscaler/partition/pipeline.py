@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from nnscaler.errors import PartitionError
 from nnscaler.graph.ir import Graph, TensorMeta, cut_graph
 from nnscaler.partition.apply_plan import apply_plan
+from nnscaler.partition.tied import shared_layouts
 from nnscaler.partition.program import Program
 from nnscaler.policies import PipelinePlan, Plan
 
@@ -52,6 +53,11 @@ def _shell(graph: Graph) -> Program:
         input_constants=dict(graph.input_constants),
         untraced_args=dict(graph.untraced_args),
         out_spec=graph.out_spec,
+        input_meta={n: graph.values[n].meta for n in graph.inputs},
+        size_names=dict(graph.size_names),
+        shape_rules=list(graph.shape_rules),
+        static_shapes=graph.static_shapes,
+        constant_names=sorted(graph.constants),
     )
 
 
@@ -62,12 +68,24 @@ def apply_pipeline(graph: Graph, plan: Plan) -> PipelineProgram:
         raise PartitionError("apply_pipeline needs a plan with pipeline stages")
     index = {n.name: i for i, n in enumerate(graph.nodes)}
     pieces = cut_graph(graph, [index[s] for s in pipe.starts])
+    stage_plans = [
+        Plan(
+            plan.policy,
+            plan.tp_size,
+            {n.name: plan.node(n.name) for n in piece.graph.nodes if n.name in plan.nodes},
+            recompute=plan.recompute,
+        )
+        for piece in pieces
+    ]
+    programs = [apply_plan(piece.graph, p) for piece, p in zip(pieces, stage_plans)]
+    stored = shared_layouts([p.tensors for p in programs])
+    for i, (piece, program) in enumerate(zip(pieces, programs)):
+        forced = {t.name: stored[t.name] for t in program.tensors if t.name in stored}
+        if any(program.layouts[name] != layout for name, layout in forced.items()):
+            programs[i] = apply_plan(piece.graph, stage_plans[i], forced)
     stages = []
     param_stages: dict[str, list[int]] = {}
-    for piece in pieces:
-        nodes = {n.name: plan.node(n.name) for n in piece.graph.nodes if n.name in plan.nodes}
-        stage_plan = Plan(plan.policy, plan.tp_size, nodes, recompute=plan.recompute)
-        program = apply_plan(piece.graph, stage_plan)
+    for piece, program in zip(pieces, programs):
         for name in piece.received:
             if graph.values[name].meta is None:
                 raise PartitionError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nnscaler.graph.ir import Layout, TensorMeta
+from nnscaler.graph.ir import Layout, ShapeRule, TensorMeta
 
 __all__ = ["RankScaled", "Statement", "LocalTensor", "Program"]
 
@@ -74,8 +74,17 @@ class Program:
     out_spec: str = ""
     local_meta: dict[str, TensorMeta] = field(default_factory=dict)
     layouts: dict[str, Layout] = field(default_factory=dict)
-    module_classes: dict[str, str] = field(default_factory=dict)
     """Layout of every activation as produced (before conversions)."""
+    module_classes: dict[str, str] = field(default_factory=dict)
+    input_meta: dict[str, TensorMeta] = field(default_factory=dict)
+    """Traced shape of every graph input (with `sym` for the dims that may change between calls)."""
+    size_names: dict[str, list] = field(default_factory=dict)
+    """Size name -> [input value, dim] (see Graph.size_names)."""
+    shape_rules: list[ShapeRule] = field(default_factory=list)
+    """Conditions on input sizes: found when tracing, then those the plan needs (divisible splits)."""
+    static_shapes: bool = False
+    constant_names: list[str] = field(default_factory=list)
+    """Buffers holding tensors the forward creates from literals (values in constants.pt)."""
 
     def comm_count(self) -> dict[str, int]:
         """Number of each communication call in the forward (for tests and explanations)."""

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nnscaler.config import ComputeConfig
+from nnscaler.runtime import shapes
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.end2end import EndToEndMixin
 from nnscaler.runtime.groups import create_groups, get_group
@@ -93,6 +94,9 @@ class ParallelModule(EndToEndMixin, nn.Module):
     """Full (single-device) weights to take shards from in `load_shards(True)`, keyed by original name."""
     init_weights_file: str | None = None
     """Or: a `torch.save`d full state dict (path relative to the generated file); read with mmap."""
+    constants_file: str | None = None
+    """Values of the tensors the forward creates from literals (path relative to the generated file):
+    always loaded, whatever `init_params` says, since they are part of the code, not the weights."""
 
     def __init__(
         self,
@@ -175,6 +179,14 @@ class ParallelModule(EndToEndMixin, nn.Module):
                     f"code was generated (it used the default {defaults[name]!r}); add it to dummy_forward_args "
                     "and parallelize again"
                 )
+
+    def input_sizes(self, name: str, value: Any, expected: tuple, static: bool = False) -> tuple[int, ...]:
+        """Generated code calls this first: input `name`'s sizes, checked against the traced ones."""
+        return shapes.input_sizes(type(self).__name__, name, value, expected, static)
+
+    def check_shape(self, holds: bool, rule: str, why: str, inputs: dict[str, Any]) -> None:
+        """Generated code calls this: a condition on input sizes the plan or the trace needs."""
+        shapes.check_shape(type(self).__name__, holds, rule, why, inputs)
 
     def check_constant_input(self, index: int, value: Any, traced: Any) -> None:
         """Generated code calls this: a non-tensor input was baked into the code when traced."""
@@ -269,7 +281,13 @@ class ParallelModule(EndToEndMixin, nn.Module):
             return cls.init_state_dict
         if cls.init_weights_file is None:
             return None
-        path = cls.init_weights_file
+        return cls._load_relative(cls.init_weights_file)
+
+    @classmethod
+    def _load_relative(cls, path: str | None) -> Mapping[str, torch.Tensor] | None:
+        """torch.load a file named relative to the generated file (None: no file)."""
+        if path is None:
+            return None
         module_file = getattr(sys.modules.get(cls.__module__), "__file__", None)
         if not os.path.isabs(path) and module_file:
             path = os.path.join(os.path.dirname(module_file), path)
@@ -287,6 +305,9 @@ class ParallelModule(EndToEndMixin, nn.Module):
                 )
             else:
                 self._buffers[name] = data
+        constants = self._load_relative(self.constants_file)
+        if constants is not None:
+            self.load_merged_state_dict(constants, strict=False)
         source = self._init_source() if init_params else None
         if source is not None:
             missing = [i.original_name for i in self.fullmap.values() if self._source_key(source, i) is None]

@@ -75,6 +75,23 @@ def forward_kwargs(sample: Any, forward_args: Sequence[str]) -> dict[str, Any]:
     )
 
 
+def _check_same_shapes(inputs: Sequence[dict[str, Any]]) -> None:
+    """Every micro-batch of one step has the shapes of the first (the stages exchange fixed sizes)."""
+
+    def shape(v: Any) -> Any:
+        return list(v.shape) if isinstance(v, torch.Tensor) else v
+
+    for m, x in enumerate(inputs[1:], start=1):
+        for name, value in x.items():
+            if shape(value) != shape(inputs[0][name]):
+                what = "shape" if isinstance(value, torch.Tensor) else "size"
+                raise ValueError(
+                    f"micro-batch {m} has {name} of {what} {shape(value)}, but micro-batch 0 has "
+                    f"{shape(inputs[0][name])}: every micro-batch of one train_step / infer_step must have "
+                    "the same shapes (different steps may differ); pad them or group samples by length"
+                )
+
+
 class PipelineStep:
     """One train_step / infer_step of a pipelined module on this rank (see the module docstring)."""
 
@@ -97,6 +114,14 @@ class PipelineStep:
         self.losses: list[torch.Tensor | None] = [None] * self.nmicros
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._device = model.device
+        self.inputs: list[dict[str, Any]] = []
+        """Pipelined modules: each micro-batch's traced inputs and input sizes, by name."""
+        self.specs: dict[int, list[TensorSpec]] = {}
+        """Pipelined modules: stage -> what it receives (the same for every micro-batch of the step)."""
+        if hasattr(model, "micro_batch_inputs"):
+            self.inputs = [model.micro_batch_inputs(**kwargs) for kwargs in self.kwargs]
+            _check_same_shapes(self.inputs)
+            self.specs = model.stage_inputs(self.inputs[0]) if self.inputs else {}
 
     # ---- point to point ------------------------------------------------------------------------
     def _tag(self, stage: int, backward: bool, micro: int, i: int) -> int:
@@ -120,7 +145,7 @@ class PipelineStep:
 
     def recv_forward(self, stage: int, micro: int, src: int) -> list[torch.Tensor]:
         """The input activations of `stage` for `micro`, from the rank running the previous stage."""
-        specs = self.model.stage_inputs[stage]
+        specs = self.specs[stage]
         acts = self._recv(specs, src, stage, False, micro)
         for t, spec in zip(acts, specs):
             if spec.wants_grad and self.train:
@@ -133,14 +158,14 @@ class PipelineStep:
 
     def recv_backward(self, stage: int, micro: int, src: int) -> list[torch.Tensor | None]:
         """Gradients of `stage`'s outputs (None where no gradient flows), from the next stage's rank."""
-        specs = self.model.stage_inputs[stage + 1]
+        specs = self.specs[stage + 1]
         wanted = [s for s in specs if s.wants_grad]
         grads = iter(self._recv(wanted, src, stage + 1, True, micro))
         return [next(grads) if s.wants_grad else None for s in specs]
 
     def send_backward(self, inputs: Sequence[torch.Tensor], stage: int, micro: int, dst: int) -> None:
         """Send the gradients of `stage`'s received inputs back to the previous stage's rank."""
-        specs = self.model.stage_inputs[stage]
+        specs = self.specs[stage]
         grads = [
             x.grad if x.grad is not None else torch.zeros_like(x)
             for x, s in zip(inputs, specs)

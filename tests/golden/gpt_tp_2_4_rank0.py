@@ -50,10 +50,13 @@ class GenModel(ParallelModule):
 
     def forward(self, idx, targets):
         tp = self.group("tp")
+        idx_size0, idx_size1 = self.input_sizes("idx", idx, (None, None))
+        targets_size0, targets_size1 = self.input_sizes("targets", targets, (None, None))
+        self.check_shape(idx_size1 <= 32, 'idx_size1 <= 32', 'idx dim 1: a bound found when tracing (a size check in the model)', {"idx": idx})
 
         # ---- top level ---------------------------------------------------------------------------------
         # model.py:134  pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
-        arange = torch.arange(0, 16, dtype=torch.int64, device=self.device)
+        arange = torch.arange(0, idx_size1, dtype=torch.int64, device=self.device)
 
         # ---- transformer.wte (Embedding) ---------------------------------------------------------------
         # model.py:135  tok_emb = self.transformer.wte(idx)  # (B, T, C)
@@ -80,19 +83,19 @@ class GenModel(ParallelModule):
         linear = F.linear(layer_norm_tp, self.transformer_h_0_attn_c_attn_weight, self.transformer_h_0_attn_c_attn_bias)  # column-parallel; local [4, 16, 96] of [4, 16, 192]
         split_0, split_1, split_2 = linear.split(32, dim=2)
         # model.py:58  q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        view = split_0.view([4, 16, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
+        view = split_0.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
         transpose = view.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
         # model.py:59  k = k.view(B, T, self.n_head, head_dim).transpose(1, 2)
-        view_1 = split_1.view([4, 16, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
+        view_1 = split_1.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
         transpose_1 = view_1.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
         # model.py:60  v = v.view(B, T, self.n_head, head_dim).transpose(1, 2)
-        view_2 = split_2.view([4, 16, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
+        view_2 = split_2.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
         transpose_2 = view_2.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
         # model.py:61  y = F.scaled_dot_product_attention(
         scaled_dot_product_attention = F.scaled_dot_product_attention(transpose, transpose_1, transpose_2, is_causal=True)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
         # model.py:64  y = y.transpose(1, 2).contiguous().view(B, T, C)
         transpose_3 = scaled_dot_product_attention.transpose(1, 2)  # local [4, 16, 2, 16] of [4, 16, 4, 16]
-        view_3 = transpose_3.view([4, 16, 32])  # local [4, 16, 32] of [4, 16, 64]
+        view_3 = transpose_3.view([idx_size0, idx_size1, 32])  # local [4, 16, 32] of [4, 16, 64]
         # model.py:65  return self.resid_dropout(self.c_proj(y))
         linear_1_partial = F.linear(view_3, self.transformer_h_0_attn_c_proj_weight)  # row-parallel
         linear_1_reduced = comm.reduce_from_group(linear_1_partial, tp)  # row-parallel
@@ -121,19 +124,19 @@ class GenModel(ParallelModule):
         linear_4 = F.linear(layer_norm_2_tp, self.transformer_h_1_attn_c_attn_weight, self.transformer_h_1_attn_c_attn_bias)  # column-parallel; local [4, 16, 96] of [4, 16, 192]
         split_1_1_0, split_1_1_1, split_1_1_2 = linear_4.split(32, dim=2)
         # model.py:58  q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        view_4 = split_1_1_0.view([4, 16, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
+        view_4 = split_1_1_0.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
         transpose_4 = view_4.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
         # model.py:59  k = k.view(B, T, self.n_head, head_dim).transpose(1, 2)
-        view_5 = split_1_1_1.view([4, 16, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
+        view_5 = split_1_1_1.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
         transpose_5 = view_5.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
         # model.py:60  v = v.view(B, T, self.n_head, head_dim).transpose(1, 2)
-        view_6 = split_1_1_2.view([4, 16, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
+        view_6 = split_1_1_2.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
         transpose_6 = view_6.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
         # model.py:61  y = F.scaled_dot_product_attention(
         scaled_dot_product_attention_1 = F.scaled_dot_product_attention(transpose_4, transpose_5, transpose_6, is_causal=True)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
         # model.py:64  y = y.transpose(1, 2).contiguous().view(B, T, C)
         transpose_7 = scaled_dot_product_attention_1.transpose(1, 2)  # local [4, 16, 2, 16] of [4, 16, 4, 16]
-        view_7 = transpose_7.view([4, 16, 32])  # local [4, 16, 32] of [4, 16, 64]
+        view_7 = transpose_7.view([idx_size0, idx_size1, 32])  # local [4, 16, 32] of [4, 16, 64]
         # model.py:65  return self.resid_dropout(self.c_proj(y))
         linear_5_partial = F.linear(view_7, self.transformer_h_1_attn_c_proj_weight)  # row-parallel
         linear_5_reduced = comm.reduce_from_group(linear_5_partial, tp)  # row-parallel
@@ -165,7 +168,7 @@ class GenModel(ParallelModule):
 
         # ---- top level ---------------------------------------------------------------------------------
         # model.py:142  return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        view_8 = linear_8.view([64, 64])  # local [64, 64] of [64, 128]
+        view_8 = linear_8.view([-1, 64])  # local [64, 64] of [64, 128]
         view_9 = targets.view([-1])
         cross_entropy_loss = comm.vocab_parallel_cross_entropy(view_8, view_9, 0, tp, ignore_index=-1, reduction='mean')
         return cross_entropy_loss

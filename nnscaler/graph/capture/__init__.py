@@ -5,23 +5,42 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from nnscaler.graph.capture.convert import convert_exported
 from nnscaler.graph.capture.export import check_forward_args, export_module, untraced_defaults
+from nnscaler.graph.capture.symbolic import dynamic_shapes_spec
 from nnscaler.graph.ir import Graph
 
 __all__ = ["capture", "check_forward_args", "export_module", "convert_exported"]
 
 
-def capture(module: torch.nn.Module, dummy_forward_args: dict[str, Any]) -> Graph:
-    """Trace `module(**dummy_forward_args)` into a Graph without touching its weights."""
+def capture(
+    module: torch.nn.Module, dummy_forward_args: dict[str, Any], static_shapes: bool = False
+) -> Graph:
+    """Trace `module(**dummy_forward_args)` into a Graph without touching its weights.
+
+    Dummy inputs are examples, never identities: two arguments given the same tensor (or views of
+    one) are traced as two inputs. Unless `static_shapes` (ComputeConfig.constant_folding), every
+    input dim may change between calls: sizes derived from input shapes stay expressions.
+    """
     forward_args = check_forward_args(module, dummy_forward_args)
     kwargs = {k: dummy_forward_args[k] for k in forward_args}
-    if any(p.is_meta for p in module.parameters()):
-        kwargs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    to_meta = any(p.is_meta for p in module.parameters())
+    kwargs = pytree.tree_map(lambda v: _own_copy(v, to_meta), kwargs)
     was_training = module.training
-    ep = export_module(module, kwargs)
+    dynamic = None if static_shapes else dynamic_shapes_spec(kwargs)
+    ep = export_module(module, kwargs, dynamic)
     module.train(was_training)
     graph = convert_exported(ep, module, forward_args)
     graph.untraced_args = untraced_defaults(module, forward_args)
+    graph.static_shapes = static_shapes
     return graph
+
+
+def _own_copy(value: Any, to_meta: bool) -> Any:
+    """A tensor of its own (torch.export traces one tensor passed as two arguments as one input)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    copy = value.detach().to("meta") if to_meta else value.detach().clone()
+    return copy.requires_grad_(value.requires_grad) if value.is_floating_point() else copy

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 import re
@@ -13,7 +14,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from nnscaler.errors import TraceError
-from nnscaler.graph.ir import Graph, Node, Ref, TensorMeta, Value, map_refs
+from nnscaler.graph.capture.symbolic import SizeNames
+from nnscaler.graph.ir import Graph, Node, Ref, ShapeRule, TensorMeta, Value, map_refs
 
 __all__ = ["convert_exported"]
 
@@ -24,12 +26,21 @@ _DROPPED_OPS = {
 }
 
 
-def _meta_of(val: Any) -> TensorMeta | None:
-    if isinstance(val, torch.Tensor):
-        return TensorMeta(
-            tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch."), bool(val.requires_grad)
-        )
-    return None
+_SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+_SIZE_OPS = {
+    "aten.sym_size.int",
+    "aten.sym_numel.default",
+    "aten.sym_stride.int",
+    "aten.sym_storage_offset.default",
+}
+
+
+def _hint(size: Any) -> int:
+    """The traced value of a (possibly symbolic) size, without adding a guard."""
+    if isinstance(size, torch.SymInt):
+        node = size.node
+        return int(node.hint if node.hint is not None else node.shape_env.size_hint(node.expr))
+    return int(size)
 
 
 def _source_of(fx_node: torch.fx.Node) -> str:
@@ -63,6 +74,18 @@ class _Converter:
         self.names: set[str] = set()
         self.tied = self._tied_names()
         self.by_target: dict[str, str] = {}
+        self.sizes = SizeNames()
+
+    def _meta_of(self, val: Any, what: str = "a tensor") -> TensorMeta | None:
+        """Shape (traced values), dtype and requires_grad; `sym` for dims that may change."""
+        if isinstance(val, torch.Tensor):
+            return TensorMeta(
+                tuple(_hint(s) for s in val.shape),
+                str(val.dtype).removeprefix("torch."),
+                bool(val.requires_grad),
+                self.sizes.dim_codes(val, what),
+            )
+        return None
 
     def _tied_names(self) -> dict[str, list[str]]:
         groups: dict[int, list[str]] = {}
@@ -98,20 +121,28 @@ class _Converter:
                 self._output(fx_node)
             elif fx_node.op == "get_attr":
                 self.env[fx_node.name] = fx_node.target  # submodule name for higher-order ops
+        self.graph.size_names = dict(self.sizes.names)
+        self.graph.shape_rules = self.sizes.range_rules(self.ep.range_constraints) + self.graph.shape_rules
         return self.graph
 
     def _placeholder(self, fx_node, spec, non_persistent) -> None:
-        meta = _meta_of(fx_node.meta.get("val"))
+        val = fx_node.meta.get("val")
+        if spec.kind == InputKind.USER_INPUT and isinstance(val, torch.Tensor):
+            self.sizes.bind_input(fx_node.name, val)
+        meta = self._meta_of(val, f"input {fx_node.name}")
         if spec.kind == InputKind.PARAMETER:
             kind, target = "param", spec.target
         elif spec.kind == InputKind.BUFFER:
             kind, target = "buffer", spec.target
         elif spec.kind == InputKind.USER_INPUT:
             kind, target = "input", fx_node.name
+        elif spec.kind == InputKind.CONSTANT_TENSOR:  # torch.tensor([...]) in forward: a fixed buffer
+            kind, target = "buffer", spec.target
+            self.graph.constants[target] = self.ep.constants[spec.target].detach().cpu().clone()
         else:
             raise TraceError(
-                f"forward creates a constant tensor ({fx_node.name}, {spec.kind.name}); this is not supported yet: "
-                "register it as a buffer (self.register_buffer) instead"
+                f"forward uses {fx_node.name} ({spec.kind.name}), an input kind nnscaler does not support; "
+                "register the object as a tensor buffer (self.register_buffer) instead"
             )
         if kind == "input" and meta is None:
             value = fx_node.meta.get("val")
@@ -132,8 +163,8 @@ class _Converter:
             self.by_target[target] = name
         aliases = tuple(n for n in self.tied.get(target, [target]) if n != target) if kind != "input" else ()
         if kind == "param":
-            meta = TensorMeta(meta.shape, meta.dtype, True) if meta else meta
-        persistent = not (
+            meta = dataclasses.replace(meta, requires_grad=True) if meta else meta
+        persistent = target not in self.graph.constants and not (
             kind == "buffer"
             and (
                 not spec.persistent
@@ -170,11 +201,22 @@ class _Converter:
         if isinstance(target, torch._ops.HigherOrderOperator):
             raise TraceError(f"higher-order op {name} at {_source_of(fx_node)} is not supported yet")
         op = str(target)
+        val = fx_node.meta.get("val")
+        if (
+            isinstance(val, _SYM_TYPES)
+            or op in _SIZE_OPS
+            or (isinstance(val, (int, float, bool)) and not isinstance(target, torch._ops.OpOverload))
+        ):
+            # a size computed from input shapes (x.shape[0], B * T, ...): an expression, not an op
+            self.env[fx_node.name] = self.sizes.value(val, f"{fx_node.name} at {_source_of(fx_node)}")
+            return
+        if op == "aten._assert_scalar.default":
+            self._assert_rule(fx_node)
+            return
         if op in _DROPPED_OPS:
             return
         args, kwargs = self._arg(fx_node.args), self._arg(fx_node.kwargs)
         op, mutated = self._functionalize(target, op, args)
-        val = fx_node.meta.get("val")
         source = _source_of(fx_node)
         mpath, mcls = _module_of(fx_node)
         for path, cls in (fx_node.meta.get("nn_module_stack") or {}).values():
@@ -186,14 +228,18 @@ class _Converter:
             refs = []
             for i, item in enumerate(val):
                 vname = self._fresh(f"{node_name}_{i}")
-                self.graph.values[vname] = Value(vname, _meta_of(item), "activation", node_name)
+                self.graph.values[vname] = Value(
+                    vname, self._meta_of(item, node_name), "activation", node_name
+                )
                 outputs.append(vname)
                 refs.append(Ref(vname))
             self.env[fx_node.name] = refs
         elif val is None and not isinstance(val, torch.Tensor):
             self.env[fx_node.name] = None
         else:
-            self.graph.values[node_name] = Value(node_name, _meta_of(val), "activation", node_name)
+            self.graph.values[node_name] = Value(
+                node_name, self._meta_of(val, node_name), "activation", node_name
+            )
             outputs.append(node_name)
             self.env[fx_node.name] = Ref(node_name)
         if mutated is not None and outputs:
@@ -215,6 +261,22 @@ class _Converter:
                 isinstance(val, (list, tuple)),
             )
         )
+
+    def _assert_rule(self, fx_node: torch.fx.Node) -> None:
+        """export's run-time assertion on sizes (e.g. a branch taken on `x.shape[0] % 2`) -> a ShapeRule."""
+        cond = self._arg(fx_node.args[0])
+        if cond is True:
+            return
+        if cond is False:
+            raise TraceError(
+                f"the model asserts a condition on sizes that the trace breaks at {_source_of(fx_node)}"
+            )
+        message = fx_node.args[1] if len(fx_node.args) > 1 else ""
+        where = _source_of(fx_node) or "the model"
+        why = f"a condition on sizes found when tracing, at {where}"
+        if message:
+            why += f" ({str(message).splitlines()[0][:120]})"
+        self.graph.shape_rules.append(ShapeRule(cond.code, why))
 
     def _functionalize(self, target: Any, op: str, args: Any) -> tuple[str, Ref | None]:
         """An in-place aten op on an activation becomes its out-of-place twin (x.div_(y) -> x / y).
@@ -287,5 +349,5 @@ def _propagate_requires_grad(graph: Graph) -> None:
         for out in node.outputs:
             v = graph.values[out]
             if v.meta is not None:
-                v.meta = TensorMeta(v.meta.shape, v.meta.dtype, bool(needs and v.meta.is_float))
+                v.meta = dataclasses.replace(v.meta, requires_grad=bool(needs and v.meta.is_float))
     _ = map_refs  # re-exported helper kept for passes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import re
 import traceback
+import warnings
 from typing import Any
 
 import torch
@@ -72,11 +73,33 @@ def _user_frame(exc: BaseException) -> str:
     return m.group(0) if m else "unknown location"
 
 
-def export_module(module: torch.nn.Module, kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
-    """torch.export the module; turn capture failures into TraceErrors that name the user's source line."""
+def export_module(
+    module: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: dict[str, Any] | None = None
+) -> torch.export.ExportedProgram:
+    """torch.export the module; turn capture failures into TraceErrors that name the user's source line.
+
+    With `dynamic_shapes`, a model that cannot be traced with sizes left open is traced again with
+    fixed sizes, with a warning saying why (the generated code then accepts only the traced shapes).
+    """
+    reason = None
+    if dynamic_shapes is not None:
+        try:
+            with static_shape_choices(kwargs):
+                return torch.export.export(
+                    module, (), kwargs=kwargs, strict=False, dynamic_shapes=dynamic_shapes
+                )
+        except Exception as exc:  # noqa: BLE001 - retried with fixed sizes below
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            reason = f"{first}, at {_user_frame(exc)}"
     try:
         with static_shape_choices(kwargs):
-            return torch.export.export(module, (), kwargs=kwargs, strict=False)
+            ep = torch.export.export(module, (), kwargs=kwargs, strict=False)
+        if reason is not None:
+            warnings.warn(
+                f"{type(module).__name__} could not be traced with input sizes left open ({reason}); traced "
+                "with the dummy inputs' sizes fixed instead: calls must use the same shapes"
+            )
+        return ep
     except Exception as exc:  # noqa: BLE001 - every capture failure is re-raised with context
         msg = str(exc)
         where = _user_frame(exc)

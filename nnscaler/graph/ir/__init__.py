@@ -1,6 +1,17 @@
 """The IR: graph, values, nodes, JSON serialization and invariants. A leaf package."""
 
-from nnscaler.graph.ir.graph import Graph, Node, Ref, TensorMeta, Value, iter_refs, map_refs
+from nnscaler.graph.ir.graph import (
+    Graph,
+    Node,
+    Ref,
+    ShapeRule,
+    SymExpr,
+    TensorMeta,
+    Value,
+    iter_refs,
+    map_refs,
+    sym_floordiv,
+)
 from nnscaler.graph.ir.layout import Layout, Partial, Replicate, Shard, layout_from_json, layout_to_json
 from nnscaler.graph.ir.serialize import decode_const, encode_const, graph_from_json, graph_to_json
 from nnscaler.graph.ir.subgraph import Piece, cut_graph
@@ -11,6 +22,9 @@ __all__ = [
     "Node",
     "Ref",
     "TensorMeta",
+    "SymExpr",
+    "ShapeRule",
+    "sym_floordiv",
     "Value",
     "iter_refs",
     "map_refs",

@@ -6,16 +6,67 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TensorMeta", "Value", "Ref", "Node", "Graph", "iter_refs", "map_refs"]
+__all__ = [
+    "TensorMeta",
+    "SymExpr",
+    "ShapeRule",
+    "Value",
+    "Ref",
+    "Node",
+    "Graph",
+    "iter_refs",
+    "map_refs",
+    "sym_floordiv",
+]
+
+
+@dataclass(frozen=True)
+class SymExpr:
+    """A size computed at run time from the forward's input shapes, e.g. `idx_size0 * idx_size1`.
+
+    `code` is a Python expression over the size names the generated forward binds from its inputs
+    (Graph.size_names); `hint` is its value in the trace (what planning and cost estimates use).
+    """
+
+    code: str
+    hint: int | float | bool
+
+    def __str__(self) -> str:
+        return self.code
+
+
+def sym_floordiv(size: int | SymExpr, ways: int) -> int | SymExpr:
+    """`size // ways` for a traced int or a run-time size (the plan checks divisibility first)."""
+    if isinstance(size, SymExpr):
+        simple = size.code.replace("_", "").replace("*", "").isalnum()
+        code = size.code if simple else f"({size.code})"
+        return SymExpr(f"{code} // {ways}", size.hint // ways)
+    return size // ways
+
+
+@dataclass(frozen=True)
+class ShapeRule:
+    """A condition on the input sizes that a call must meet: found when tracing or required by the plan.
+
+    `code` is a Python boolean expression over size names; `why` says where it comes from.
+    """
+
+    code: str
+    why: str
 
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """Static description of a tensor: its traced shape, dtype name and whether it carries gradient."""
+    """Description of a tensor: its traced shape, dtype name and whether it carries gradient.
+
+    `sym` (None when every dim is fixed) gives, per dim, the Python expression of a size that may
+    change between calls (None for a fixed dim); `shape` holds the traced values of all dims.
+    """
 
     shape: tuple[int, ...]
     dtype: str
     requires_grad: bool = False
+    sym: tuple[str | None, ...] | None = None
 
     @property
     def is_float(self) -> bool:
@@ -95,6 +146,7 @@ class Graph:
     """torch.utils._pytree treespec_dumps of the forward's output structure."""
     module_class: str = ""
     module_classes: dict[str, str] = field(default_factory=dict)
+    """Module path -> class name, for every module the trace passed through."""
     input_leaves: list[str | None] = field(default_factory=list)
     """One entry per leaf of the flattened forward inputs: the value it feeds, or None (a constant)."""
     input_constants: dict[str, object] = field(default_factory=dict)
@@ -103,7 +155,15 @@ class Graph:
     """Forward parameters left at their (literal) defaults when traced: name -> default."""
     in_spec: str = ""
     """torch.utils._pytree treespec_dumps of ((), {forward arg: value}) as traced."""
-    """Module path -> class name, for every module the trace passed through."""
+    size_names: dict[str, list] = field(default_factory=dict)
+    """Size name -> [input value, dim] where the generated forward reads it (dynamic shapes)."""
+    shape_rules: list[ShapeRule] = field(default_factory=list)
+    """Conditions on input sizes found when tracing (ranges, branches on sizes), checked at call time."""
+    static_shapes: bool = False
+    """Traced with constant_folding=True: every input dim is fixed to its traced size."""
+    constants: dict[str, Any] = field(default_factory=dict)
+    """Tensors the forward creates from literals (`torch.tensor([...])`), by buffer target: their values
+    (None after loading a saved graph: the values live in the output directory's constants.pt)."""
 
     def params(self) -> list[Value]:
         return [v for v in self.values.values() if v.kind == "param"]

@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict
 from typing import Any
 
-from nnscaler.graph.ir.graph import Graph, Node, Ref, TensorMeta, Value
+from nnscaler.graph.ir.graph import Graph, Node, Ref, ShapeRule, SymExpr, TensorMeta, Value
 
 __all__ = ["graph_to_json", "graph_from_json", "encode_const", "decode_const"]
 
@@ -18,6 +18,8 @@ def encode_const(obj: Any) -> Any:
 
     if isinstance(obj, Ref):
         return {"ref": obj.name}
+    if isinstance(obj, SymExpr):
+        return {"sym": [obj.code, obj.hint]}
     if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
         return obj
     if isinstance(obj, float):
@@ -51,6 +53,8 @@ def decode_const(obj: Any) -> Any:
     ((key, val),) = obj.items()
     if key == "ref":
         return Ref(val)
+    if key == "sym":
+        return SymExpr(val[0], val[1])
     if key == "float":
         return float(val)
     if key == "tuple":
@@ -85,6 +89,10 @@ def graph_to_json(graph: Graph) -> str:
         "in_spec": graph.in_spec,
         "untraced_args": graph.untraced_args,
         "input_constants": {k: encode_const(v) for k, v in graph.input_constants.items()},
+        "size_names": graph.size_names,
+        "shape_rules": [[r.code, r.why] for r in graph.shape_rules],
+        "static_shapes": graph.static_shapes,
+        "constants": sorted(graph.constants),  # names only: values are saved beside (constants.pt)
     }
     return json.dumps(data, indent=1)
 
@@ -95,9 +103,7 @@ def graph_from_json(text: str) -> Graph:
     for v in data["values"]:
         meta = v.pop("meta")
         v["aliases"] = tuple(v["aliases"])
-        g.values[v["name"]] = Value(
-            meta=TensorMeta(tuple(meta["shape"]), meta["dtype"], meta["requires_grad"]) if meta else None, **v
-        )
+        g.values[v["name"]] = Value(meta=_meta_from_json(meta) if meta else None, **v)
     for n in data["nodes"]:
         n["args"] = decode_const(n["args"])
         n["kwargs"] = decode_const(n["kwargs"])
@@ -109,4 +115,15 @@ def graph_from_json(text: str) -> Graph:
     g.in_spec = data.get("in_spec", "")
     g.untraced_args = data.get("untraced_args", {})
     g.input_constants = {k: decode_const(v) for k, v in data.get("input_constants", {}).items()}
+    g.size_names = data.get("size_names", {})
+    g.shape_rules = [ShapeRule(code, why) for code, why in data.get("shape_rules", [])]
+    g.static_shapes = data.get("static_shapes", False)
+    g.constants = dict.fromkeys(data.get("constants", []))
     return g
+
+
+def _meta_from_json(meta: dict) -> TensorMeta:
+    sym = meta.get("sym")
+    return TensorMeta(
+        tuple(meta["shape"]), meta["dtype"], meta["requires_grad"], tuple(sym) if sym is not None else None
+    )
