@@ -139,3 +139,44 @@ def test_shape_errors(tmp_path):
         assert "constant_folding=True" in r["folded_other"]
         assert "idx has shape [2, 48]" in r["too_long"] and "idx_size1 <= 32" in r["too_long"], r["too_long"]
         assert "micro-batch 1 has idx of shape [2, 8]" in r["pp_mixed"], r["pp_mixed"]
+
+
+# ---- single process: constants stay out of checkpoints, views of one tensor stay two inputs ----------
+
+
+def test_forward_constants_are_nonpersistent_buffers(tmp_path):
+    import nnscaler
+    from tests import zoo
+
+    model, make_batch = zoo.build("tests.models_inputs:build_alibi")
+    pm = nnscaler.parallelize(
+        model, make_batch(1, 4), "dp", nnscaler.ComputeConfig(1, 1), gen_savedir=tmp_path
+    )
+    constants = {n: b for n, b in pm.named_buffers() if "lifted_tensor" in n}
+    assert len(constants) == 3, sorted(dict(pm.named_buffers()))
+    slopes = constants["blocks_0_attn_lifted_tensor_0"]
+    torch.testing.assert_close(slopes, torch.tensor([2.0 ** (-8.0 * (h + 1) / 4) for h in range(4)]))
+    assert not [k for k in pm.state_dict() if "lifted_tensor" in k]
+    saved = {k for k in pm.state_dict() if not k.endswith("_extra_state")}
+    assert saved and saved <= set(model.state_dict()), saved - set(model.state_dict())
+    batch = make_batch(2, 3)
+    torch.testing.assert_close(pm(**batch), model(**batch))
+
+
+def test_views_of_one_tensor_are_two_inputs(tmp_path):
+    """The dummy's idx and targets are views of one token tensor; later calls pass unrelated tensors."""
+    import nnscaler
+    from tests import zoo
+
+    model, _ = zoo.build("gpt")
+    tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
+    dummy = {"idx": tokens[:, :-1], "targets": tokens[:, 1:]}
+    pm = nnscaler.parallelize(model, dummy, "dp", nnscaler.ComputeConfig(1, 1), gen_savedir=tmp_path)
+    g = torch.Generator().manual_seed(1)
+    batch = {
+        "idx": torch.randint(0, 128, (3, 10), generator=g),
+        "targets": torch.randint(0, 128, (3, 10), generator=g),
+    }
+    torch.testing.assert_close(pm(**batch), model(**batch))
+    swapped = {"idx": batch["targets"], "targets": batch["idx"]}
+    torch.testing.assert_close(pm(**swapped), model(**swapped))
