@@ -50,7 +50,8 @@ class ComputeConfig:
     zero_use_reduce_scatter: bool = False
     """Reduce gradients with reduce-scatter instead of all-reduce under ZeRO."""
     inference_only: bool = False
-    """Generate forward-only code (no gradient reducers)."""
+    """Forward only: the parallel module's parameters do not require grad, no gradient reducer is built,
+    and `train_step` is refused (`infer_step` and calling the module work)."""
     use_end2end: bool = False
     """The forward returns the loss first; enables train_step/infer_step and pipelines."""
     use_async_reducer: bool = False
@@ -58,7 +59,9 @@ class ComputeConfig:
     reducer_bucket_cap_mb: float | None = None
     """Gradient bucket size in MB (None: the default)."""
     pas_config: dict[str, Any] = field(default_factory=dict)
-    """Options for the policy."""
+    """Options for the policy. Built-in policies validate them (nnscaler.policies.options, listed in
+    docs/policies.md): an unknown key or a wrong type raises. Keys starting with `_` are ignored by every
+    policy (they only take part in deciding whether generated code can be reused)."""
     user_config: dict[str, Any] = field(default_factory=dict)
     """User values that only take part in deciding whether generated code can be reused."""
     zero_stage: int = field(default=1, kw_only=True)
@@ -96,6 +99,11 @@ class ComputeConfig:
             raise ConfigError(f"ComputeConfig.zero_ngroups must be >= 1, got {self.zero_ngroups!r}")
         if not self.use_zero and self.zero_ngroups != 1:
             object.__setattr__(self, "zero_ngroups", 1)
+        if self.inference_only and self.use_zero:
+            raise ConfigError(
+                "ComputeConfig(inference_only=True) has no gradients or optimizer state for ZeRO to shard: "
+                "set use_zero=False"
+            )
         if self.zero_stage not in (1, 2, 3):
             raise ConfigError(
                 "ComputeConfig.zero_stage must be 1 (shard optimizer state), 2 (also gradients) or 3 (also "

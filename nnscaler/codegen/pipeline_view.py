@@ -16,6 +16,7 @@ from nnscaler.codegen.view_model import (
     constants_attrs,
     custom_op_imports,
     end2end_attrs,
+    inference_attrs,
     shard_lines,
 )
 from nnscaler.config import ComputeConfig
@@ -153,7 +154,7 @@ def build_pipeline_view(
         f"groups: tensor-parallel {groups['tp']}; pipeline {groups['pp']}; data-parallel {dp_group}",
     ]
     class_attrs = end2end_attrs(pprog.inputs.forward_args, pipe.nmicros, stage_ranks[pipe.nstages - 1], True)
-    class_attrs += constants_attrs(pprog.inputs)
+    class_attrs += inference_attrs(cfg) + constants_attrs(pprog.inputs)
     rules = pprog.inputs.shape_rules + [r for s in pprog.stages for r in s.program.shape_rules]
     unpack, in_spec_json = _unpack_inputs(pprog.inputs, rules)
     input_names = sorted({n for s in pprog.stages for n in s.graph_inputs})

@@ -201,7 +201,7 @@ def build_module_view(
         view.schedule_doc = (
             "End-to-end mode without pipeline stages: forward and backward of each micro-batch in turn."
         )
-    view.class_attrs += constants_attrs(program)
+    view.class_attrs += inference_attrs(cfg) + constants_attrs(program)
     return view
 
 
@@ -214,6 +214,12 @@ def end2end_attrs(
         f"forward_args = {tuple(forward_args)!r}",
         f"last_stage_rank = {last_stage_rank}  # holds the losses of a train_step",
     ]
+
+
+def inference_attrs(cfg: ComputeConfig) -> list[str]:
+    if not cfg.inference_only:
+        return []
+    return ["inference_only = True  # ComputeConfig(inference_only=True): forward only, no gradient reducer"]
 
 
 def constants_attrs(program: Program) -> list[str]:

@@ -16,6 +16,7 @@ from nnscaler.graph.ir import Graph, graph_from_json, graph_to_json
 from nnscaler.parallel.unannotated import check_unannotated
 from nnscaler.partition import apply_pipeline, apply_plan
 from nnscaler.policies import make_plan, resolve_policy
+from nnscaler.policies.options import validate_pas_config
 
 __all__ = ["CompileResult", "compile_module", "CONSTANTS_FILE"]
 
@@ -49,13 +50,23 @@ def compile_module(
     outdir: Path,
     version: str,
     reuse_graph: bool = False,
+    graph: Graph | None = None,
 ) -> CompileResult:
-    """Write graph.json, plan.json, compute_config.json and gencode{rank}.py for every runtime rank."""
+    """Write graph.json, plan.json, compute_config.json and gencode{rank}.py for every runtime rank.
+
+    `graph`: a graph already traced (or loaded) for this module; `reuse_graph`: load graph.json from
+    `outdir` when it exists (unchecked: `parallelize(reuse='graph')` checks it against the model).
+    Either way the module is not traced again.
+    """
+    validate_pas_config(policy, cfg.pas_config)  # before tracing: a misspelled key fails fast
     outdir.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     graph_file = outdir / "graph.json"
-    if reuse_graph and graph_file.exists():
+    if graph is not None:
+        if not graph_file.exists():
+            write_atomic(graph_file, graph_to_json(graph))
+    elif reuse_graph and graph_file.exists():
         graph = graph_from_json(graph_file.read_text())
     else:
         graph = capture(module, dummy_forward_args, static_shapes=cfg.constant_folding)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,74 +14,176 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nnscaler.codegen import write_atomic
 from nnscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
 from nnscaler.errors import ConfigError
+from nnscaler.graph.ir import Graph, graph_from_json
 from nnscaler.parallel.compile import compile_module
-from nnscaler.parallel.fingerprint import fingerprint
-from nnscaler.parallel.savedir import module_outdir
-from nnscaler.policies import resolve_policy
+from nnscaler.parallel.fingerprint import check_graph, describe_differences, fingerprint
+from nnscaler.parallel.savedir import (
+    FINGERPRINT_FILE,
+    GRAPH_FILE,
+    WEIGHTS_FILE,
+    generated_files,
+    is_code_file,
+    is_weight_file,
+    module_outdir,
+)
+from nnscaler.policies.options import validate_pas_config
 from nnscaler.version import __version__
 
-__all__ = ["parallelize"]
+__all__ = ["parallelize", "load_generated_class"]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _distributed() else 0
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+# ---- reuse ---------------------------------------------------------------------------------------
 
 
-def _needs_generation(outdir: Path, fp: dict, reuse: ReuseType, cfg: ComputeConfig) -> bool:
-    fp_file = outdir / "fingerprint.json"
-    complete = fp_file.exists() and all(
+def _read_fingerprint(outdir: Path) -> dict | None:
+    try:
+        return json.loads((outdir / FINGERPRINT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _plan_generation(
+    outdir: Path, fp: dict, reuse: ReuseType, cfg: ComputeConfig
+) -> tuple[bool, Graph | None]:
+    """(whether to generate code, a saved graph to generate it from instead of tracing)."""
+    saved = _read_fingerprint(outdir)
+    if reuse == ReuseType.OVERRIDE:
+        return True, None
+    if reuse == ReuseType.GRAPH:
+        graph_file = outdir / GRAPH_FILE
+        if not graph_file.exists():
+            return True, None  # nothing saved yet: trace
+        graph = graph_from_json(graph_file.read_text())
+        check_graph(graph, saved, fp, str(outdir))
+        return True, graph
+    complete = saved is not None and all(
         (outdir / f"gencode{r}.py").exists() for r in range(cfg.runtime_ngpus)
     )
-    if reuse == ReuseType.OVERRIDE or not complete:
-        return True
-    if reuse == ReuseType.GRAPH:
-        return True
-    same = json.loads(fp_file.read_text()) == json.loads(json.dumps(fp))
-    if same:
-        return False
+    if not complete:
+        return True, None
+    diffs = describe_differences(saved, fp)
+    if not diffs:
+        return False, None
     if reuse == ReuseType.MATCH:
+        more = f" (and {len(diffs) - 8} more)" if len(diffs) > 8 else ""
         raise ConfigError(
-            f"reuse='match' but the code in {outdir} was generated for a different model, dummy input, policy "
-            "or ComputeConfig: pass reuse='moo' (regenerate when different) or 'override', or another gen_savedir"
+            f"reuse='match' but the code in {outdir} was generated for something else: "
+            f"{'; '.join(diffs[:8])}{more}. To regenerate it pass reuse='moo' (regenerate when different) "
+            "or reuse='override' (always); to keep both, pass another gen_savedir or instance_name"
         )
-    return True
+    return True, None  # moo
+
+
+def _save_weights(outdir: Path, module: torch.nn.Module) -> None:
+    """The module's initial weights, for `GenModel(init_params=True)` on every rank (class input)."""
+    full = dict(module.state_dict())
+    full.update({n: b for n, b in module.named_buffers(remove_duplicate=False) if n not in full})
+    tmp = outdir / f".{WEIGHTS_FILE}.tmp{os.getpid()}"
+    torch.save({k: v.detach().cpu() for k, v in full.items()}, tmp)
+    os.replace(tmp, outdir / WEIGHTS_FILE)
+
+
+# ---- rank 0 -> other ranks -----------------------------------------------------------------------
+
+
+def _share_outcome(error: BaseException | None) -> None:
+    """Rank 0 tells the other ranks whether generation worked (instead of leaving them in a barrier)."""
+    if not _distributed():
+        if error is not None:
+            raise error
+        return
+    payload = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(payload, src=0)
+    if error is not None:
+        raise error
+    if payload[0] is not None:
+        raise RuntimeError(f"rank {_rank()}: rank 0 could not generate the parallel module: {payload[0]}")
+
+
+def _selected(name: str, strategy: BroadcastGenFilesStrategy) -> bool:
+    if strategy == BroadcastGenFilesStrategy.ALL:
+        return True
+    if strategy == BroadcastGenFilesStrategy.NO_WEIGHTS:
+        return not is_weight_file(name)
+    if strategy == BroadcastGenFilesStrategy.CODE:
+        return is_code_file(name)
+    return False
+
+
+def _is_node_leader() -> bool:
+    """The rank that writes for its machine (LOCAL_RANK 0); without LOCAL_RANK every rank writes."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
 def _broadcast_files(outdir: Path, strategy: BroadcastGenFilesStrategy) -> None:
-    """Send rank 0's generated files to the other ranks (for nodes without a shared disk)."""
-    if strategy == BroadcastGenFilesStrategy.NONE or not (dist.is_available() and dist.is_initialized()):
-        return
-    payload = [None]
-    if _rank() == 0:
-        payload = [
-            {p.name: p.read_text() for p in outdir.iterdir() if p.is_file() and not p.name.startswith(".")}
-        ]
-    dist.broadcast_object_list(payload, src=0)
-    if _rank() != 0:
-        from nnscaler.codegen import write_atomic
+    """Send rank 0's generated files to the other machines (for nodes without a shared disk).
 
+    ALL: every file, weights included; NO_WEIGHTS: every file but the weights (`fullmodel.pt`);
+    CODE: what a rank needs to import and construct its module (`gencode*.py`, `compute_config.json`,
+    `constants.pt`); NONE: nothing. One rank per machine (LOCAL_RANK 0) writes; files of the sent
+    kinds that rank 0 does not have are removed there, so no stale file survives.
+    """
+    if strategy == BroadcastGenFilesStrategy.NONE or not _distributed():
+        return
+    rank = _rank()
+    names = [[p.name for p in generated_files(outdir) if _selected(p.name, strategy)] if rank == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    writer = rank != 0 and _is_node_leader()
+    if writer:
         outdir.mkdir(parents=True, exist_ok=True)
-        for name, text in payload[0].items():
-            if not (outdir / name).exists() or (outdir / name).read_text() != text:
-                write_atomic(outdir / name, text)
+        for old in generated_files(outdir):
+            if _selected(old.name, strategy) and old.name not in names[0]:
+                old.unlink()
+    for name in names[0]:
+        data = [(outdir / name).read_bytes() if rank == 0 else None]
+        dist.broadcast_object_list(data, src=0)
+        if writer:
+            tmp = outdir / f".{name}.tmp{os.getpid()}"
+            tmp.write_bytes(data[0])
+            os.replace(tmp, outdir / name)
+    dist.barrier()  # the other ranks of a machine read what its leader wrote
+
+
+# ---- loading -------------------------------------------------------------------------------------
 
 
 def load_generated_class(outdir: Path, rank: int) -> type:
-    """Import gencode{rank}.py and return its GenModel class."""
+    """Import gencode{rank}.py and return its GenModel class.
+
+    Executed from its text (no bytecode cache), so a file regenerated within the same second is
+    never mistaken for the old one.
+    """
     path = outdir / f"gencode{rank}.py"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} does not exist: if the ranks do not share gen_savedir's disk, parallelize with "
+            "broadcast_strategy='code' (or 'no_weights', 'all') so rank 0 sends the generated files"
+        )
     name = f"nnscaler_gencode_{abs(hash(str(path.resolve())))}_{rank}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
+    module = types.ModuleType(name)
+    module.__file__ = str(path)
+    module.__spec__ = importlib.util.spec_from_file_location(name, path)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
     return module.GenModel
+
+
+# ---- the entry point -----------------------------------------------------------------------------
 
 
 def parallelize(
@@ -102,7 +206,13 @@ def parallelize(
     Rank 0 traces, plans and writes `gencode{rank}.py` for every rank under
     gen_savedir/_parallel_modules/...; the other ranks wait, then each imports its own file.
     Given a module instance, returns a ParallelModule instance holding this rank's shards of its
-    weights; given a class, returns the generated class. With load_module=False returns None.
+    weights; given a class, returns the generated class (its `init_params=True` loads the weights
+    rank 0 built, from `fullmodel.pt`). With load_module=False returns None.
+
+    reuse: 'match' reuses generated code whose fingerprint (model sources, parameter and input
+    specs, policy, ComputeConfig, versions) equals this call's and raises, naming what differs,
+    otherwise; 'moo' regenerates when different; 'override' always regenerates; 'graph' plans and
+    generates again from the saved traced graph after checking it matches the model.
     """
     if not isinstance(compute_config, ComputeConfig):
         raise ConfigError(f"compute_config must be a ComputeConfig, got {type(compute_config).__name__}")
@@ -116,47 +226,45 @@ def parallelize(
         raise ConfigError(
             f"broadcast_strategy={broadcast_strategy!r} is not one of {[b.value for b in BroadcastGenFilesStrategy]}"
         ) from None
-    if (
-        dist.is_available()
-        and dist.is_initialized()
-        and dist.get_world_size() != compute_config.runtime_ngpus
-    ):
+    if _distributed() and dist.get_world_size() != compute_config.runtime_ngpus:
         raise ConfigError(
             f"ComputeConfig.runtime_ngpus is {compute_config.runtime_ngpus} but the process group has "
             f"{dist.get_world_size()} ranks"
         )
+    validate_pas_config(pas_policy, compute_config.pas_config)  # every rank, before any tracing
     is_class = isinstance(module_or_module_class, type)
     module_class = module_or_module_class if is_class else type(module_or_module_class)
     outdir = module_outdir(gen_savedir, module_class, instance_name)
-    policy_name, _ = resolve_policy(pas_policy)
-    module = None
+    error = None
     if _rank() == 0:
-        module = (
-            _build(module_or_module_class, module_fn, module_dtype) if is_class else module_or_module_class
-        )
-        if module_dtype is not None and not is_class:
-            module = module.to(module_dtype)
-        fp = fingerprint(module, dummy_forward_args, policy_name, compute_config, __version__)
-        if _needs_generation(outdir, fp, reuse, compute_config):
-            compile_module(
-                module,
+        try:
+            _generate(
+                module_or_module_class,
                 dummy_forward_args,
                 pas_policy,
                 compute_config,
                 outdir,
-                __version__,
-                reuse_graph=reuse == ReuseType.GRAPH,
+                reuse,
+                module_fn,
+                module_dtype,
+                save_weights=is_class and init_module_params,
             )
-            (outdir / "fingerprint.json").write_text(json.dumps(fp, indent=1))
-    _barrier()
+        except Exception as exc:  # the other ranks hear of it instead of waiting forever
+            error = exc
+    _share_outcome(error)
     _broadcast_files(outdir, broadcast_strategy)
     if not load_module:
         return None
     gen_class = load_generated_class(outdir, _rank())
+    if gen_class.compute_config is None:
+        gen_class.compute_config = compute_config
     if is_class:
+        has_weights = init_module_params and (outdir / WEIGHTS_FILE).exists()
+        gen_class.init_weights_file = WEIGHTS_FILE if has_weights else None
         return gen_class
     pm = gen_class(init_params=False)
     pm.compute_config = compute_config
+    pm.train(module_or_module_class.training)  # the generated code follows train()/eval() from here
     if init_module_params and not any(p.is_meta for p in module_or_module_class.parameters()):
         module = module_or_module_class
         full = dict(module.state_dict())
@@ -166,6 +274,38 @@ def parallelize(
     return pm
 
 
-def _build(module_class, module_fn, module_dtype):
-    module = module_fn() if module_fn is not None else module_class()
-    return module.to(module_dtype) if module_dtype is not None else module
+def _generate(
+    module_or_class,
+    dummy_forward_args: dict,
+    pas_policy,
+    cfg: ComputeConfig,
+    outdir: Path,
+    reuse: ReuseType,
+    module_fn,
+    module_dtype,
+    save_weights: bool,
+) -> None:
+    """Rank 0: build the module if given a class, and (re)generate the output directory as `reuse` says."""
+    if isinstance(module_or_class, type):
+        module = module_fn() if module_fn is not None else module_or_class()
+    else:
+        module = module_or_class
+    if module_dtype is not None:
+        module = module.to(module_dtype)
+    fp = fingerprint(module, dummy_forward_args, pas_policy, cfg, __version__)
+    generate, graph = _plan_generation(outdir, fp, reuse, cfg)
+    if generate:
+        compile_module(
+            module,
+            dummy_forward_args,
+            pas_policy,
+            cfg,
+            outdir,
+            __version__,
+            reuse_graph=False,
+            graph=graph,
+        )
+        write_atomic(outdir / FINGERPRINT_FILE, json.dumps(fp, indent=1))
+    has_storage = not any(p.is_meta for p in module.parameters())
+    if save_weights and has_storage and (generate or not (outdir / WEIGHTS_FILE).exists()):
+        _save_weights(outdir, module)

@@ -1,10 +1,11 @@
 """The `pp` and `hybrid` policies: pipeline stages (x tensor parallelism inside each stage).
 
-pas_config keys: `pipeline_nstages` (int or 'auto'), `pipeline_nmicros` (required),
-`pipeline_scheduler` ('1f1b' default, 'gpipe', '1f1b_interleaved'), `pipeline_pivots` (module class
-names where stages may start; default: the class of the repeated layers), `pipeline_stages` (module
-paths where stages 1.. start, instead of balancing), and for `hybrid` `pp_size` (device groups;
-default `pipeline_nstages`, tensor parallelism inside each group over plan_ngpus // pp_size devices).
+pas_config keys (typed in nnscaler.policies.options, PpOptions / HybridOptions): `pipeline_nstages`
+(int or 'auto'), `pipeline_nmicros` (required), `pipeline_scheduler` ('1f1b' default, 'gpipe',
+'1f1b_interleaved'), `pipeline_pivots` (module class names where stages may start; default: the class
+of the repeated layers), `pipeline_stages` (module paths where stages 1.. start, instead of balancing),
+and for `hybrid` `pp_size` (device groups; default `pipeline_nstages`, tensor parallelism inside each
+group over plan_ngpus // pp_size devices).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph, cut_graph
+from nnscaler.policies.options import HybridOptions, PipelineOptions, PpOptions
 from nnscaler.policies.plan import SCHEDULERS, NodePlan, PipelinePlan, Plan
 from nnscaler.policies.schedules import simulate
 from nnscaler.policies.staging import (
@@ -39,32 +41,29 @@ def check_end2end_loss(graph: Graph) -> None:
         )
 
 
-def _int_option(cfg: ComputeConfig, key: str, default=None) -> int | None:
-    value = cfg.pas_config.get(key, default)
-    if value is None or value == "auto":
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise PlanError(f"pas_config[{key!r}] must be a positive int, got {value!r}")
-    return value
+def _nstages(opts: PipelineOptions) -> int | None:
+    return None if opts.pipeline_nstages == "auto" else opts.pipeline_nstages
 
 
-def _pipeline(graph: Graph, cfg: ComputeConfig, pp_size: int, nstages: int) -> PipelinePlan:
+def _pipeline(
+    graph: Graph, cfg: ComputeConfig, opts: PipelineOptions, pp_size: int, nstages: int
+) -> PipelinePlan:
     if not cfg.use_end2end:
         raise PlanError(
             "pipeline parallelism needs ComputeConfig(use_end2end=True): the runtime drives forward and backward "
             "of the micro-batches itself (model.train_step(samples))"
         )
     check_end2end_loss(graph)
-    scheduler = cfg.pas_config.get("pipeline_scheduler", "1f1b")
+    scheduler = opts.pipeline_scheduler
     if scheduler not in SCHEDULERS:
         raise PlanError(f"pas_config['pipeline_scheduler']={scheduler!r}: use one of {list(SCHEDULERS)}")
-    nmicros = _int_option(cfg, "pipeline_nmicros")
+    nmicros = opts.pipeline_nmicros
     if nmicros is None:
         raise PlanError(
             "pipelines need pas_config['pipeline_nmicros']: the number of micro-batches per train_step"
         )
-    pivots = parse_pivots(cfg.pas_config.get("pipeline_pivots")) or default_pivots(graph)
-    explicit = cfg.pas_config.get("pipeline_stages")
+    pivots = parse_pivots(opts.pipeline_pivots) or default_pivots(graph)
+    explicit = opts.pipeline_stages
     if explicit:
         starts = explicit_starts(graph, list(explicit))
         if len(starts) != nstages:
@@ -87,29 +86,33 @@ def _pipeline(graph: Graph, cfg: ComputeConfig, pp_size: int, nstages: int) -> P
 
 def pas_pp(graph: Graph, cfg: ComputeConfig) -> Plan:
     """One pipeline stage per plan device (virtual stages with '1f1b_interleaved'), no tensor parallelism."""
+    # typed pas_config; unknown keys are refused by parallelize / compile_module (not here: a custom
+    # policy calling pas_pp may carry keys of its own)
+    opts = PpOptions.from_pas_config(cfg.pas_config, strict=False)
     pp_size = cfg.plan_ngpus
-    interleaved = cfg.pas_config.get("pipeline_scheduler") == "1f1b_interleaved"
-    nstages = _int_option(cfg, "pipeline_nstages") or pp_size * (2 if interleaved else 1)
+    interleaved = opts.pipeline_scheduler == "1f1b_interleaved"
+    nstages = _nstages(opts) or pp_size * (2 if interleaved else 1)
     if nstages % pp_size:
         raise PlanError(
             f"policy 'pp' runs one stage per plan device: pipeline_nstages ({nstages}) must be a multiple of "
             f"plan_ngpus ({pp_size})"
         )
-    pipeline = _pipeline(graph, cfg, pp_size, nstages)
+    pipeline = _pipeline(graph, cfg, opts, pp_size, nstages)
     return Plan("pp", cfg.plan_ngpus, {n.name: NodePlan() for n in graph.nodes}, pipeline=pipeline)
 
 
 def pas_hybrid(graph: Graph, cfg: ComputeConfig) -> Plan:
     """Pipeline stages over `pp_size` device groups, each stage split by the `tp` policy inside its group."""
-    nstages = _int_option(cfg, "pipeline_nstages") or cfg.plan_ngpus
-    pp_size = _int_option(cfg, "pp_size") or nstages
+    opts = HybridOptions.from_pas_config(cfg.pas_config, strict=False)
+    nstages = _nstages(opts) or cfg.plan_ngpus
+    pp_size = opts.pp_size or nstages
     if cfg.plan_ngpus % pp_size or nstages % pp_size:
         raise PlanError(
             f"policy 'hybrid': pp_size ({pp_size}) must divide plan_ngpus ({cfg.plan_ngpus}) and "
             f"pipeline_nstages ({nstages})"
         )
     tp = cfg.plan_ngpus // pp_size
-    pipeline = _pipeline(graph, cfg, pp_size, nstages)
+    pipeline = _pipeline(graph, cfg, opts, pp_size, nstages)
     nodes: dict[str, NodePlan] = {}
     notes: list[str] = []
     starts = [i for i, n in enumerate(graph.nodes) if n.name in set(pipeline.starts)]

@@ -66,6 +66,12 @@ class EndToEndMixin:
         forward's arguments as a dict; or one batch, split into the schedule's micro-batches). Gradients
         of the micro-batches add up (a sum, as calling backward on each would), then are averaged over
         the data-parallel replicas. Returns each micro-batch's loss, on every rank."""
+        if getattr(self, "inference_only", False):
+            raise RuntimeError(
+                f"{type(self).__name__} was generated with ComputeConfig(inference_only=True): it has no backward "
+                "and no gradient reducer, so train_step is not available; use infer_step(samples) or call the "
+                "module, or parallelize again with inference_only=False to train"
+            )
         samples = self._micro_batches(samples)
         step = self._schedule_fn("_train_step")
         with self.no_sync():

@@ -94,6 +94,9 @@ class ParallelModule(EndToEndMixin, nn.Module):
     """Full (single-device) weights to take shards from in `load_shards(True)`, keyed by original name."""
     init_weights_file: str | None = None
     """Or: a `torch.save`d full state dict (path relative to the generated file); read with mmap."""
+    inference_only: bool = False
+    """Generated with ComputeConfig(inference_only=True): forward only; parameters do not require
+    gradients, no gradient reducer is built and train_step is refused."""
     constants_file: str | None = None
     """Values of the tensors the forward creates from literals (path relative to the generated file):
     always loaded, whatever `init_params` says, since they are part of the code, not the weights."""
@@ -241,7 +244,8 @@ class ParallelModule(EndToEndMixin, nn.Module):
         )
         empty = torch.empty(info.local_shape, dtype=dtype, device="meta")
         if is_param:
-            self.register_parameter(local_name, nn.Parameter(empty, requires_grad=dtype.is_floating_point))
+            trainable = dtype.is_floating_point and not self.inference_only
+            self.register_parameter(local_name, nn.Parameter(empty, requires_grad=trainable))
         else:
             self.register_buffer(local_name, empty, persistent=persistent)
         self.fullmap[local_name] = info
@@ -475,6 +479,8 @@ class ParallelModule(EndToEndMixin, nn.Module):
         self._reducer, self._reducer_built, self._zero3 = None, False, None
 
     def _build_reducer(self) -> Reducer | None:
+        if self.inference_only:  # nothing to reduce: no parameter requires a gradient
+            return None
         cfg = self.compute_config
         if cfg is not None and cfg.use_zero and getattr(cfg, "zero_stage", 1) == 3:
             return build_zero3(self)

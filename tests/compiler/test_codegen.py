@@ -13,6 +13,7 @@ from nnscaler.codegen import generate_code
 from nnscaler.errors import ConfigError
 from nnscaler.partition import apply_plan
 from nnscaler.policies import make_plan
+from nnscaler.runtime import ParallelModule
 from tests import zoo
 
 GOLDEN = Path(__file__).parent.parent / "golden"
@@ -52,7 +53,7 @@ def test_output_directory_layout_and_reuse(tmp_path):
     assert (outdir / "gencode0.py").stat().st_mtime_ns == stamp
     # match: a different dummy batch shape is an error that says how to proceed
     other = make_batch(0, 8)
-    with pytest.raises(ConfigError, match="reuse='moo'"):
+    with pytest.raises(ConfigError, match=r"dummy input x: .*\[4, 16\].*\[8, 16\].*reuse='moo'"):
         parallelize(model, other, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path, instance_name="first")
     # moo regenerates; override always regenerates
     pm = parallelize(
@@ -65,15 +66,48 @@ def test_output_directory_layout_and_reuse(tmp_path):
     assert (outdir / "gencode0.py").stat().st_mtime_ns != stamp
 
 
-def test_reuse_graph_replans_from_saved_graph(tmp_path):
+def test_reuse_graph_replans_from_saved_graph(tmp_path, monkeypatch):
     model, make_batch = zoo.build("mlp")
     batch = make_batch(0, 4)
     parallelize(model, batch, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path, load_module=False)
+    outdir = tmp_path / "_parallel_modules" / "tests" / "zoo" / type(model).__qualname__ / "_"
+    saved_graph = (outdir / "graph.json").read_text()
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("reuse='graph' traced the model again")
+
+    monkeypatch.setattr("nnscaler.parallel.compile.capture", no_trace)
+    # another plan (2 plan devices, the batch split) from the same saved graph, without tracing
+    pm = parallelize(
+        model, batch, "data", ComputeConfig(2, 2), gen_savedir=tmp_path, reuse="graph", load_module=False
+    )
+    assert pm is None
+    assert (outdir / "graph.json").read_text() == saved_graph
+    assert '"data"' in (outdir / "plan.json").read_text() and (outdir / "gencode1.py").exists()
     pm = parallelize(model, batch, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path, reuse="graph")
-    torch.testing.assert_close(pm(**batch), model(**batch))
+    other = make_batch(1, 4)
+    torch.testing.assert_close(pm(**other), model(**other))
+    # without a saved graph, or with reuse='match' and a mismatch, tracing would be needed: it is called
+    with pytest.raises(AssertionError, match="traced the model again"):
+        parallelize(model, batch, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path / "fresh", reuse="graph")
 
 
 def test_parallelize_class_returns_generated_class(tmp_path):
     model, make_batch = zoo.build("mlp")
-    cls = parallelize(type(model), make_batch(0, 4), "dp", ComputeConfig(1, 1), gen_savedir=tmp_path)
-    assert isinstance(cls, type) and cls.__name__ == "GenModel"
+    batch = make_batch(0, 4)
+    cls = parallelize(
+        type(model), batch, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path, module_fn=lambda: model
+    )
+    assert isinstance(cls, type) and cls.__name__ == "GenModel" and issubclass(cls, ParallelModule)
+    for name in ("forward", "train_step", "infer_step", "sync_grad", "clip_gnorm", "load_merged_state_dict"):
+        assert callable(getattr(cls, name)), name
+    assert cls.rank == 0 and cls.compute_config == ComputeConfig(1, 1)
+    # init_params=True starts from the weights of the module rank 0 built (module_fn): same function
+    pm = cls()
+    assert {info.original_name for info in pm.fullmap.values()} == set(model.state_dict())
+    other = make_batch(1, 4)
+    torch.testing.assert_close(pm(**other), model(**other))
+    # init_params=False leaves them to the caller
+    pm = cls(init_params=False)
+    pm.load_merged_state_dict(model.state_dict())
+    torch.testing.assert_close(pm(**other), model(**other))

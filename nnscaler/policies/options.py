@@ -1,0 +1,246 @@
+"""`ComputeConfig.pas_config` of the built-in policies: one typed dataclass per policy.
+
+`parse_pas_config('pp', cfg.pas_config)` returns a `PpOptions`; an unknown key raises naming the
+closest known key ("did you mean 'pipeline_nmicros'?"), a value of the wrong type raises naming
+the field and the type it needs. Keys that start with `_` are accepted and ignored by every
+policy (as in nnScaler: they only take part in deciding whether generated code can be reused).
+A custom policy (a callable) reads `pas_config` itself: it is not validated.
+
+Every field is listed in docs/policies.md (a test checks it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+from nnscaler.errors import ConfigError, PlanError
+
+__all__ = [
+    "PasConfigError",
+    "PolicyOptions",
+    "DpOptions",
+    "DataOptions",
+    "TpOptions",
+    "PipelineOptions",
+    "PpOptions",
+    "HybridOptions",
+    "POLICY_OPTIONS",
+    "parse_pas_config",
+    "validate_pas_config",
+]
+
+
+class PasConfigError(ConfigError, PlanError):
+    """A bad `pas_config` key or value: a ConfigError (so a ValueError) and, as policies raised
+    before, a PlanError."""
+
+
+def _doc(text: str, **extra: Any) -> dict[str, Any]:
+    return {"doc": text, **extra}
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """Keys every built-in policy accepts."""
+
+    recompute_modules: str | list[str] | None = field(
+        default=None,
+        metadata=_doc(
+            "Modules whose activations are recomputed in backward (torch.utils.checkpoint): class names "
+            "or module-path suffixes, comma-separated or a list; 'ROOT' is the whole model."
+        ),
+    )
+
+    @classmethod
+    def from_pas_config(cls, pas_config: Mapping[str, Any] | None, *, policy: str = "", strict: bool = True):
+        """Build from a pas_config dict. `strict`: unknown keys raise (else they are ignored)."""
+        pas_config = dict(pas_config or {})
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        hints = get_type_hints(cls)
+        policy = policy or cls.policy_name()
+        values = {}
+        for key, value in pas_config.items():
+            if not isinstance(key, str):
+                raise PasConfigError(f"pas_config keys must be strings, got {key!r}")
+            if key.startswith("_"):
+                continue
+            if key not in known:
+                if strict:
+                    raise PasConfigError(_unknown_key_message(key, policy, sorted(known)))
+                continue
+            _check_value(key, value, hints[key], known[key].metadata, policy)
+            values[key] = list(value) if isinstance(value, tuple) else value
+        return cls(**values)
+
+    @classmethod
+    def policy_name(cls) -> str:
+        return next((name for name, c in POLICY_OPTIONS.items() if c is cls), cls.__name__)
+
+
+@dataclass(frozen=True)
+class DpOptions(PolicyOptions):
+    """Policy `dp`: the whole model on the single plan device (plan_ngpus == 1)."""
+
+
+@dataclass(frozen=True)
+class DataOptions(PolicyOptions):
+    """Policy `data`: the batch dim split over the plan devices."""
+
+
+@dataclass(frozen=True)
+class TpOptions(PolicyOptions):
+    """Policy `tp`: Megatron-style tensor parallelism over the plan devices."""
+
+
+@dataclass(frozen=True)
+class PipelineOptions(PolicyOptions):
+    """Keys of the pipeline policies (`pp`, `hybrid`)."""
+
+    pipeline_nmicros: int | None = field(
+        default=None,
+        metadata=_doc("Micro-batches per train_step (required for pipelines).", min=1),
+    )
+    pipeline_nstages: int | Literal["auto"] = field(
+        default="auto",
+        metadata=_doc(
+            "Number of pipeline stages. 'auto': one per device group (two per device with 1f1b_interleaved).",
+            min=1,
+        ),
+    )
+    pipeline_scheduler: Literal["1f1b", "gpipe", "1f1b_interleaved"] = field(
+        default="1f1b", metadata=_doc("The schedule of forwards and backwards over the micro-batches.")
+    )
+    pipeline_pivots: str | list[str] | None = field(
+        default=None,
+        metadata=_doc(
+            "Module class names where a stage may start, comma-separated or a list (default: the class of "
+            "the repeated layers, the modules held in a ModuleList)."
+        ),
+    )
+    pipeline_stages: list[str] | None = field(
+        default=None,
+        metadata=_doc(
+            "Module paths where stages 1, 2, ... start (e.g. ['transformer.h.2']), instead of balancing "
+            "the stages by estimated cost."
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class PpOptions(PipelineOptions):
+    """Policy `pp`: one pipeline stage per plan device (virtual stages with 1f1b_interleaved)."""
+
+
+@dataclass(frozen=True)
+class HybridOptions(PipelineOptions):
+    """Policy `hybrid`: pipeline stages over device groups, tensor parallelism (`tp`) inside each."""
+
+    pp_size: int | None = field(
+        default=None,
+        metadata=_doc(
+            "Number of device groups the stages run on (default: pipeline_nstages); each stage is split "
+            "over plan_ngpus // pp_size devices.",
+            min=1,
+        ),
+    )
+
+
+POLICY_OPTIONS: dict[str, type[PolicyOptions]] = {
+    "dp": DpOptions,
+    "data": DataOptions,
+    "tp": TpOptions,
+    "pp": PpOptions,
+    "hybrid": HybridOptions,
+}
+"""The options dataclass of every built-in policy, by name."""
+
+_NOT_HERE = {
+    "seed": "the tp policy here is deterministic (it recognises Megatron patterns, it does not sample)",
+}
+"""nnScaler keys that have no meaning here, and why."""
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if tp is type(None):
+        return "None"
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(t) for t in get_args(tp))
+    if origin is Literal:
+        return " or ".join(repr(a) for a in get_args(tp))
+    if origin in (list, tuple):
+        return f"a list of {_type_name(get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin = get_origin(tp)
+    if tp is Any:
+        return True
+    if tp is type(None):
+        return value is None
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, t) for t in get_args(tp))
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in get_args(tp))
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and all(_matches(v, get_args(tp)[0]) for v in value)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _check_value(key: str, value: Any, tp: Any, meta: Mapping[str, Any], policy: str) -> None:
+    if not _matches(value, tp):
+        raise PasConfigError(
+            f"pas_config[{key!r}] of policy {policy!r} must be {_type_name(tp)}, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    low = meta.get("min")
+    if low is not None and isinstance(value, int) and not isinstance(value, bool) and value < low:
+        raise PasConfigError(f"pas_config[{key!r}] of policy {policy!r} must be >= {low}, got {value!r}")
+
+
+def _unknown_key_message(key: str, policy: str, known: list[str]) -> str:
+    msg = f"pas_config key {key!r} is not an option of policy {policy!r}"
+    close = difflib.get_close_matches(key, known, n=1)
+    if close:
+        msg += f": did you mean {close[0]!r}?"
+    elif key in _NOT_HERE:
+        msg += f": {_NOT_HERE[key]}"
+    else:
+        owners = [
+            name for name, c in POLICY_OPTIONS.items() if key in {f.name for f in dataclasses.fields(c)}
+        ]
+        if owners:
+            msg += f": it is an option of {', '.join(repr(o) for o in owners)}"
+    return (
+        f"{msg}. Options of {policy!r}: {known} (docs/policies.md); keys starting with '_' are accepted "
+        "and ignored"
+    )
+
+
+def parse_pas_config(
+    policy: str, pas_config: Mapping[str, Any] | None, *, strict: bool = True
+) -> PolicyOptions:
+    """The typed options of built-in policy `policy` from `pas_config` (see the module docstring)."""
+    if policy not in POLICY_OPTIONS:
+        raise PasConfigError(f"no built-in policy {policy!r}: use one of {sorted(POLICY_OPTIONS)}")
+    return POLICY_OPTIONS[policy].from_pas_config(pas_config, policy=policy, strict=strict)
+
+
+def validate_pas_config(policy: str | Callable, pas_config: Mapping[str, Any] | None) -> PolicyOptions | None:
+    """Validate `pas_config` for a built-in policy (by name, dotted path or the function itself);
+    None (nothing checked) for a custom policy."""
+    from nnscaler.policies import BUILTIN_POLICIES, resolve_policy
+
+    _, fn = resolve_policy(policy)
+    name = next((n for n, f in BUILTIN_POLICIES.items() if f is fn and n in POLICY_OPTIONS), None)
+    return None if name is None else parse_pas_config(name, pas_config)
