@@ -1,5 +1,6 @@
 """Forward body layout: one section per block, source lines as comments, recompute regions as
-nested functions run under torch.utils.checkpoint."""
+nested functions run under torch.utils.checkpoint, and a `del` after each intermediate's last use
+(nnscaler.codegen.liveness) so the forward holds no more memory than the eager module."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import re
 from collections.abc import Callable
 
 from nnscaler.codegen.expr import Formatter, statement_code
-from nnscaler.graph.ir import iter_refs
+from nnscaler.codegen.liveness import add_dels, aliasing_op
+from nnscaler.graph.ir import Ref, iter_refs
 from nnscaler.partition import Program, Statement
 
 __all__ = ["build_sections"]
@@ -48,6 +50,7 @@ def build_sections(
     sections: list = []
     state = {"source": None}
     uses_checkpoint = False
+    alias_of: dict[int, str] = {}  # id(line) -> the name its outputs are views of
 
     def new_line(s: Statement, indent: int) -> None:
         title = section_of(s.module_path)
@@ -60,9 +63,16 @@ def build_sections(
             comments.append(s.source)
             state["source"] = s.source
         context = "rng.shard_rng(tp, self.device)" if s.shard_rng else ""
-        sections[-1].lines.append(
-            line_cls(comments, statement_code(s, fmt), trailing(s), s.no_grad, context, indent)
-        )
+        line = line_cls(comments, statement_code(s, fmt), trailing(s), s.no_grad, context, indent)
+        sections[-1].lines.append(line)
+        base = s.args[0] if s.args else None
+        if (
+            s.kind == "op"
+            and isinstance(base, Ref)
+            and base.name not in fmt.param_names
+            and aliasing_op(s.op)
+        ):
+            alias_of[id(line)] = base.name
 
     i = 0
     while i < len(stmts):
@@ -106,4 +116,7 @@ def build_sections(
         call_args = ", ".join([fn, *ins, *extra])
         sections[-1].lines.append(line_cls([], f"{ret} = ckpt.checkpoint({call_args})", "", False, "", 0))
         i = j
+    # free each intermediate after its last use; what the return line reads stays
+    keep = {n for r in iter_refs(program.outputs) for n in (r.name, fmt(r))}
+    add_dels(sections, keep, lambda code, indent: line_cls([], code, "", False, "", indent), alias_of)
     return sections, uses_checkpoint
