@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from nnscaler.graph.ir import Ref, SymExpr
+from nnscaler.graph.ir import ModeValue, Ref, SymExpr
 from nnscaler.partition import GROUP, RankScaled, Statement
 
 __all__ = ["Formatter", "statement_code"]
@@ -36,6 +36,8 @@ class Formatter:
             return str(self.tp_index * obj.scale)
         if isinstance(obj, SymExpr):  # a size computed from the input shapes at run time
             return obj.code
+        if isinstance(obj, ModeValue):  # follows the generated module's train()/eval()
+            return obj.render(self)
         if isinstance(obj, bool) or obj is None:
             return repr(obj)
         if isinstance(obj, float):
@@ -284,6 +286,8 @@ def op_expression(s: Statement, f: Formatter) -> str:
         return _call(_TORCH_FN[op], [f(a) for a in s.args], _tensor_kwargs(s, f))
     if op in _F_FN:
         return _call(_F_FN[op], [f(a) for a in s.args], _tensor_kwargs(s, f))
+    if op.endswith(".apply") and ":" in op:  # a custom autograd Function: `module.Qualname.apply(...)`
+        return _call(op.replace(":", "."), [f(a) for a in s.args], {k: f(v) for k, v in s.kwargs.items()})
     return _call(f"torch.ops.{op}", [f(a) for a in s.args], {k: f(v) for k, v in s.kwargs.items()})
 
 

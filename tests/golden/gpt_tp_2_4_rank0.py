@@ -65,22 +65,28 @@ class GenModel(ParallelModule):
         # ---- transformer.wpe (Embedding) ---------------------------------------------------------------
         # model.py:136  pos_emb = self.transformer.wpe(pos)  # (T, C)
         embedding_1 = F.embedding(arange, self.transformer_wpe_weight)  # indices are not token ids from the forward's inputs: kept whole
+        del arange
 
         # ---- top level ---------------------------------------------------------------------------------
         # model.py:137  x = self.transformer.drop(tok_emb + pos_emb)
         embedding_reduced = comm.reduce_from_group(embedding, tp)
+        del embedding
         add = embedding_reduced + embedding_1
+        del embedding_1, embedding_reduced
 
         # ---- transformer.drop (Dropout) ----------------------------------------------------------------
         # model.py:137  x = self.transformer.drop(tok_emb + pos_emb)
-        dropout = F.dropout(add, 0.0, True)
+        dropout = F.dropout(add, 0.0, self.training)
+        del add
 
         # ---- transformer.h.0 (Block) -------------------------------------------------------------------
         # model.py:89  x = x + self.attn(self.ln_1(x))
         layer_norm = F.layer_norm(dropout, [64], self.transformer_h_0_ln_1_weight, self.transformer_h_0_ln_1_bias, 1e-05)
         # model.py:56  q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         layer_norm_tp = comm.copy_to_group(layer_norm, tp)  # f: identity forward, all-reduce of the gradient backward
+        del layer_norm
         linear = F.linear(layer_norm_tp, self.transformer_h_0_attn_c_attn_weight, self.transformer_h_0_attn_c_attn_bias)  # column-parallel; local [4, 16, 96] of [4, 16, 192]
+        del layer_norm_tp
         split_0, split_1, split_2 = linear.split(32, dim=2)
         # model.py:58  q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)  # (B, nh, T, hd)
         view = split_0.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
@@ -93,35 +99,51 @@ class GenModel(ParallelModule):
         transpose_2 = view_2.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
         # model.py:61  y = F.scaled_dot_product_attention(
         scaled_dot_product_attention = F.scaled_dot_product_attention(transpose, transpose_1, transpose_2, is_causal=True)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
+        del linear, split_0, split_1, split_2, view, transpose, view_1, transpose_1, view_2, transpose_2
         # model.py:64  y = y.transpose(1, 2).contiguous().view(B, T, C)
         transpose_3 = scaled_dot_product_attention.transpose(1, 2)  # local [4, 16, 2, 16] of [4, 16, 4, 16]
         view_3 = transpose_3.view([idx_size0, idx_size1, 32])  # local [4, 16, 32] of [4, 16, 64]
         # model.py:65  return self.resid_dropout(self.c_proj(y))
         linear_1_partial = F.linear(view_3, self.transformer_h_0_attn_c_proj_weight)  # row-parallel
+        del scaled_dot_product_attention, transpose_3, view_3
         linear_1_reduced = comm.reduce_from_group(linear_1_partial, tp)  # row-parallel
+        del linear_1_partial
         linear_1 = linear_1_reduced + self.transformer_h_0_attn_c_proj_bias  # bias added once, after the reduction
-        dropout_1 = F.dropout(linear_1, 0.0, True)
+        del linear_1_reduced
+        dropout_1 = F.dropout(linear_1, 0.0, self.training)
+        del linear_1
         # model.py:89  x = x + self.attn(self.ln_1(x))
         add_1 = dropout + dropout_1
+        del dropout, dropout_1
         # model.py:90  x = x + self.mlp(self.ln_2(x))
         layer_norm_1 = F.layer_norm(add_1, [64], self.transformer_h_0_ln_2_weight, self.transformer_h_0_ln_2_bias, 1e-05)
         # model.py:77  return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
         layer_norm_1_tp = comm.copy_to_group(layer_norm_1, tp)  # f: identity forward, all-reduce of the gradient backward
+        del layer_norm_1
         linear_2 = F.linear(layer_norm_1_tp, self.transformer_h_0_mlp_c_fc_weight, self.transformer_h_0_mlp_c_fc_bias)  # column-parallel; local [4, 16, 128] of [4, 16, 256]
+        del layer_norm_1_tp
         gelu = F.gelu(linear_2)  # local [4, 16, 128] of [4, 16, 256]
+        del linear_2
         linear_3_partial = F.linear(gelu, self.transformer_h_0_mlp_c_proj_weight)  # row-parallel
+        del gelu
         linear_3_reduced = comm.reduce_from_group(linear_3_partial, tp)  # row-parallel
+        del linear_3_partial
         linear_3 = linear_3_reduced + self.transformer_h_0_mlp_c_proj_bias  # bias added once, after the reduction
-        dropout_2 = F.dropout(linear_3, 0.0, True)
+        del linear_3_reduced
+        dropout_2 = F.dropout(linear_3, 0.0, self.training)
+        del linear_3
         # model.py:90  x = x + self.mlp(self.ln_2(x))
         add_2 = add_1 + dropout_2
+        del add_1, dropout_2
 
         # ---- transformer.h.1 (Block) -------------------------------------------------------------------
         # model.py:89  x = x + self.attn(self.ln_1(x))
         layer_norm_2 = F.layer_norm(add_2, [64], self.transformer_h_1_ln_1_weight, self.transformer_h_1_ln_1_bias, 1e-05)
         # model.py:56  q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         layer_norm_2_tp = comm.copy_to_group(layer_norm_2, tp)  # f: identity forward, all-reduce of the gradient backward
+        del layer_norm_2
         linear_4 = F.linear(layer_norm_2_tp, self.transformer_h_1_attn_c_attn_weight, self.transformer_h_1_attn_c_attn_bias)  # column-parallel; local [4, 16, 96] of [4, 16, 192]
+        del layer_norm_2_tp
         split_1_1_0, split_1_1_1, split_1_1_2 = linear_4.split(32, dim=2)
         # model.py:58  q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)  # (B, nh, T, hd)
         view_4 = split_1_1_0.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
@@ -134,41 +156,59 @@ class GenModel(ParallelModule):
         transpose_6 = view_6.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
         # model.py:61  y = F.scaled_dot_product_attention(
         scaled_dot_product_attention_1 = F.scaled_dot_product_attention(transpose_4, transpose_5, transpose_6, is_causal=True)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
+        del linear_4, split_1_1_0, split_1_1_1, split_1_1_2, view_4, transpose_4, view_5, transpose_5, view_6, transpose_6
         # model.py:64  y = y.transpose(1, 2).contiguous().view(B, T, C)
         transpose_7 = scaled_dot_product_attention_1.transpose(1, 2)  # local [4, 16, 2, 16] of [4, 16, 4, 16]
         view_7 = transpose_7.view([idx_size0, idx_size1, 32])  # local [4, 16, 32] of [4, 16, 64]
         # model.py:65  return self.resid_dropout(self.c_proj(y))
         linear_5_partial = F.linear(view_7, self.transformer_h_1_attn_c_proj_weight)  # row-parallel
+        del scaled_dot_product_attention_1, transpose_7, view_7
         linear_5_reduced = comm.reduce_from_group(linear_5_partial, tp)  # row-parallel
+        del linear_5_partial
         linear_5 = linear_5_reduced + self.transformer_h_1_attn_c_proj_bias  # bias added once, after the reduction
-        dropout_3 = F.dropout(linear_5, 0.0, True)
+        del linear_5_reduced
+        dropout_3 = F.dropout(linear_5, 0.0, self.training)
+        del linear_5
         # model.py:89  x = x + self.attn(self.ln_1(x))
         add_3 = add_2 + dropout_3
+        del add_2, dropout_3
         # model.py:90  x = x + self.mlp(self.ln_2(x))
         layer_norm_3 = F.layer_norm(add_3, [64], self.transformer_h_1_ln_2_weight, self.transformer_h_1_ln_2_bias, 1e-05)
         # model.py:77  return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
         layer_norm_3_tp = comm.copy_to_group(layer_norm_3, tp)  # f: identity forward, all-reduce of the gradient backward
+        del layer_norm_3
         linear_6 = F.linear(layer_norm_3_tp, self.transformer_h_1_mlp_c_fc_weight, self.transformer_h_1_mlp_c_fc_bias)  # column-parallel; local [4, 16, 128] of [4, 16, 256]
+        del layer_norm_3_tp
         gelu_1 = F.gelu(linear_6)  # local [4, 16, 128] of [4, 16, 256]
+        del linear_6
         linear_7_partial = F.linear(gelu_1, self.transformer_h_1_mlp_c_proj_weight)  # row-parallel
+        del gelu_1
         linear_7_reduced = comm.reduce_from_group(linear_7_partial, tp)  # row-parallel
+        del linear_7_partial
         linear_7 = linear_7_reduced + self.transformer_h_1_mlp_c_proj_bias  # bias added once, after the reduction
-        dropout_4 = F.dropout(linear_7, 0.0, True)
+        del linear_7_reduced
+        dropout_4 = F.dropout(linear_7, 0.0, self.training)
+        del linear_7
         # model.py:90  x = x + self.mlp(self.ln_2(x))
         add_4 = add_3 + dropout_4
+        del add_3, dropout_4
 
         # ---- transformer.ln_f (LayerNorm) --------------------------------------------------------------
         # model.py:140  x = self.transformer.ln_f(x)
         layer_norm_4 = F.layer_norm(add_4, [64], self.transformer_ln_f_weight, self.transformer_ln_f_bias, 1e-05)
+        del add_4
 
         # ---- lm_head (Linear) --------------------------------------------------------------------------
         # model.py:141  logits = self.lm_head(x)  # (B, T, vocab)
         layer_norm_4_tp = comm.copy_to_group(layer_norm_4, tp)  # f: identity forward, all-reduce of the gradient backward
+        del layer_norm_4
         linear_8 = F.linear(layer_norm_4_tp, self.transformer_wte_weight)  # column-parallel; local [4, 16, 64] of [4, 16, 128]
+        del layer_norm_4_tp
 
         # ---- top level ---------------------------------------------------------------------------------
         # model.py:142  return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         view_8 = linear_8.view([-1, 64])  # local [64, 64] of [64, 128]
         view_9 = targets.view([-1])
         cross_entropy_loss = comm.vocab_parallel_cross_entropy(view_8, view_9, 0, tp, ignore_index=-1, reduction='mean')
+        del linear_8, view_8, view_9
         return cross_entropy_loss

@@ -7,8 +7,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from nnscaler.graph.capture.autograd_fn import name_autograd_functions, opaque_autograd_functions
 from nnscaler.graph.capture.convert import convert_exported
 from nnscaler.graph.capture.export import check_forward_args, export_module, untraced_defaults
+from nnscaler.graph.capture.modes import trace_both_modes
 from nnscaler.graph.capture.symbolic import dynamic_shapes_spec
 from nnscaler.graph.ir import Graph
 
@@ -28,11 +30,11 @@ def capture(
     kwargs = {k: dummy_forward_args[k] for k in forward_args}
     to_meta = any(p.is_meta for p in module.parameters())
     kwargs = pytree.tree_map(lambda v: _own_copy(v, to_meta), kwargs)
-    was_training = module.training
     dynamic = None if static_shapes else dynamic_shapes_spec(kwargs)
-    ep = export_module(module, kwargs, dynamic)
-    module.train(was_training)
-    graph = convert_exported(ep, module, forward_args)
+    # custom autograd Functions keep their backward; the program follows train()/eval()
+    with opaque_autograd_functions():
+        ep = trace_both_modes(module, lambda: export_module(module, kwargs, dynamic))  # keeps modes as given
+    graph = name_autograd_functions(convert_exported(ep, module, forward_args))
     graph.untraced_args = untraced_defaults(module, forward_args)
     graph.static_shapes = static_shapes
     return graph

@@ -13,6 +13,7 @@ from nnscaler.graph.ir.graph import (
     sym_floordiv,
 )
 from nnscaler.graph.ir.layout import Layout, Partial, Replicate, Shard, layout_from_json, layout_to_json
+from nnscaler.graph.ir.mode import ModeValue
 from nnscaler.graph.ir.serialize import decode_const, encode_const, graph_from_json, graph_to_json
 from nnscaler.graph.ir.subgraph import Piece, cut_graph
 from nnscaler.graph.ir.verify import verify
@@ -23,6 +24,7 @@ __all__ = [
     "Ref",
     "TensorMeta",
     "SymExpr",
+    "ModeValue",
     "ShapeRule",
     "sym_floordiv",
     "Value",

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from nnscaler.graph.ir.graph import Graph, Node, Ref, ShapeRule, SymExpr, TensorMeta, Value
+from nnscaler.graph.ir.mode import ModeValue
 
 __all__ = ["graph_to_json", "graph_from_json", "encode_const", "decode_const"]
 
@@ -20,6 +21,8 @@ def encode_const(obj: Any) -> Any:
         return {"ref": obj.name}
     if isinstance(obj, SymExpr):
         return {"sym": [obj.code, obj.hint]}
+    if isinstance(obj, ModeValue):
+        return {"mode": [encode_const(obj.train), encode_const(obj.eval)]}
     if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
         return obj
     if isinstance(obj, float):
@@ -55,6 +58,8 @@ def decode_const(obj: Any) -> Any:
         return Ref(val)
     if key == "sym":
         return SymExpr(val[0], val[1])
+    if key == "mode":
+        return ModeValue(decode_const(val[0]), decode_const(val[1]))
     if key == "float":
         return float(val)
     if key == "tuple":

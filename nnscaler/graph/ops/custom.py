@@ -11,14 +11,27 @@ import torch
 from nnscaler.graph.ops.annotation import parse_annotation
 from nnscaler.graph.ops.registry import OpRule, register_rule
 
-__all__ = ["register_op", "op_module"]
+__all__ = ["register_op", "op_module", "autograd_op_name", "is_autograd_op"]
 
 _NAMESPACE = "nnscaler_user"
 _MODULES: dict[str, str] = {}  # op name ('ns.name.overload') -> module to import in generated code
 
 
+def autograd_op_name(fn: type) -> str:
+    """The op of a custom autograd Function's nodes, 'module:Qualname.apply': generated code imports
+    the module and calls `module.Qualname.apply(...)` (see nnscaler.graph.capture.autograd_fn)."""
+    return f"{fn.__module__}:{fn.__qualname__}.apply"
+
+
+def is_autograd_op(op: str) -> bool:
+    """Whether the op is a custom autograd Function's apply (named by autograd_op_name)."""
+    return op.endswith(".apply") and ":" in op
+
+
 def op_module(op: str) -> str | None:
     """The Python module that registers a non-aten op (imported by generated code), if known."""
+    if is_autograd_op(op):
+        return op.split(":", 1)[0]
     if op in _MODULES:
         return _MODULES[op]
     from torch._library.custom_ops import OPDEFS
@@ -30,6 +43,8 @@ def op_module(op: str) -> str | None:
 
 def _op_name(op: Any) -> str | None:
     """'ns.name.overload' for a custom op object, None for a plain function."""
+    if isinstance(op, type) and issubclass(op, torch.autograd.Function):
+        return autograd_op_name(op)
     if isinstance(op, torch._ops.OpOverload):
         return str(op)
     if isinstance(op, torch._ops.OpOverloadPacket):
@@ -78,7 +93,8 @@ def _wrap_function(fn: Callable, name: str) -> Any:
 def register_op(annotation: str, name: str | None = None, *, family: str = "user") -> Callable:
     """Register `annotation` (e.g. '* h, * h -> * h') for a user op; usable as a decorator.
 
-    Given a torch.library custom op, its rule is registered under the op's name. Given a plain
+    Given a torch.library custom op, its rule is registered under the op's name; given a custom
+    torch.autograd.Function, under its `Fn.apply` calls (split, they run on local shards). Given a plain
     function (with type hints, in an importable module), it is first made into the custom op
     `torch.ops.nnscaler_user.<name>`, whose backward differentiates the function; the returned
     object is that op, callable like the function.
