@@ -92,8 +92,10 @@ def _tied_groups(pprog: PipelineProgram) -> dict[str, list[int]]:
         if len(groups) > 1:
             layouts = {str(pprog.stages[s].program.layouts.get(name)) for s in stages}
             if len(layouts) > 1:
-                raise CodegenError(
-                    f"weight {name} is shared by pipeline stages {stages} with different layouts {sorted(layouts)}"
+                raise CodegenError(  # apply_pipeline stores a tied weight alike in every stage: a bug if seen
+                    f"weight {name} is shared by pipeline stages {stages} with different storage layouts "
+                    f"{sorted(layouts)}; its gradients cannot be summed across them. This is a partition bug: "
+                    "please report it; meanwhile keep the weight replicated in one of the stages' plans"
                 )
             out[name] = groups
     return out
