@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from nnscaler.codegen.expr import Formatter
+from nnscaler.codegen.safe_text import comment_text, docstring_text, literal
 from nnscaler.codegen.schedule_code import pipeline_infer_lines, pipeline_train_lines
 from nnscaler.codegen.sections import build_sections
 from nnscaler.codegen.shape_code import shape_code, sizes_read, uses_math
@@ -126,7 +127,7 @@ def build_pipeline_view(
     shards, aliases = shard_lines(tensors, tp_index, ways)
     tied = _tied_groups(pprog)
     tied_lines = [
-        f'self.add_tied("{name}", {[layout.rank(base, g, tp_index) for g in groups]})'
+        f"self.add_tied({literal(name)}, {[layout.rank(base, g, tp_index) for g in groups]})"
         f"  # used by stages {pprog.param_stages[name]}: gradients summed across them"
         for name, groups in tied.items()
         if name in param_names
@@ -155,6 +156,7 @@ def build_pipeline_view(
         f"stage -> rank: {stage_ranks}",
         f"groups: tensor-parallel {groups['tp']}; pipeline {groups['pp']}; data-parallel {dp_group}",
     ]
+    header = [comment_text(line) for line in header]  # names from the user's model: one line each
     class_attrs = end2end_attrs(pprog.inputs.forward_args, pipe.nmicros, stage_ranks[pipe.nstages - 1], True)
     class_attrs += inference_attrs(cfg) + constants_attrs(pprog.inputs)
     rules = pprog.inputs.shape_rules + [r for s in pprog.stages for r in s.program.shape_rules]
@@ -221,7 +223,9 @@ def _stage_view(
         if index == len(pprog.stages) - 1
         else f"outputs go to stage {index + 1}"
     )
-    doc = f"Stage {index} of {len(pprog.stages)}: {first or 'start'} .. {last or 'end'}; {role}."
+    doc = docstring_text(
+        f"Stage {index} of {len(pprog.stages)}: {first or 'start'} .. {last or 'end'}; {role}."
+    )
     sizes = sizes_read([(st.args, st.kwargs) for st in program.statements], pprog.inputs.size_names)
     reads = [f'{n} = x["{n}"]' for n in [*stage.graph_inputs, *sizes]]
     return StageView(index, params, doc, reads, sections, return_code), uses_checkpoint

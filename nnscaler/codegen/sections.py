@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from nnscaler.codegen.expr import Formatter, statement_code
 from nnscaler.codegen.liveness import add_dels, aliasing_op
+from nnscaler.codegen.safe_text import comment_text
 from nnscaler.graph.ir import Ref, iter_refs
 from nnscaler.partition import Program, Statement
 
@@ -56,11 +57,12 @@ def build_sections(
         title = section_of(s.module_path)
         if not sections or sections[-1].key != title:
             cls = program.module_classes.get(title, s.module_class)
-            sections.append(section_cls(f"{title} ({cls})" if title else "top level", key=title))
+            heading = comment_text(f"{title} ({cls})") if title else "top level"
+            sections.append(section_cls(heading, key=title))
             state["source"] = None
         comments = []
         if s.source and s.source != state["source"]:
-            comments.append(s.source)
+            comments.append(comment_text(s.source))
             state["source"] = s.source
         context = "rng.shard_rng(tp, self.device)" if s.shard_rng else ""
         line = line_cls(comments, statement_code(s, fmt), trailing(s), s.no_grad, context, indent)
@@ -102,7 +104,9 @@ def build_sections(
         fn = "recompute_" + (re.sub(r"\W", "_", region) or "model")
         new_line(block[0], 1)  # opens the block's section; the def line goes in front of it
         first = sections[-1].lines.pop()
-        note = f"recomputed in backward (pas_config recompute_modules): {region or 'the whole model'}"
+        note = comment_text(
+            f"recomputed in backward (pas_config recompute_modules): {region or 'the whole model'}"
+        )
         sections[-1].lines.append(line_cls([note], f"def {fn}({', '.join(ins)}):", "", False, "", 0))
         sections[-1].lines.append(first)
         for s in block[1:]:

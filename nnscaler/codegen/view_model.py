@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 
 from nnscaler.codegen.expr import Formatter
+from nnscaler.codegen.safe_text import comment_text, literal
 from nnscaler.codegen.schedule_code import plain_infer_lines, plain_train_lines
 from nnscaler.codegen.sections import build_sections
 from nnscaler.codegen.shape_code import rule_check_lines, size_check_lines, uses_math
@@ -124,7 +125,7 @@ def _trailing(s: Statement, program: Program, full_shapes: dict[str, tuple]) -> 
         full = full_shapes[s.outputs[0]]
         if tuple(local) != tuple(full):
             notes.append(f"local {list(local)} of {list(full)}")
-    return "  # " + "; ".join(notes) if notes else ""
+    return "  # " + comment_text("; ".join(notes)) if notes else ""
 
 
 def build_module_view(
@@ -151,6 +152,7 @@ def build_module_view(
         f"config: ComputeConfig(plan_ngpus={cfg.plan_ngpus}, runtime_ngpus={cfg.runtime_ngpus})",
         f"groups: tensor-parallel {tp_group}; data-parallel {dp_group}",
     ]
+    header = [comment_text(line) for line in header]  # names from the user's model: one line each
     param_names = {t.name for t in program.tensors}
     fmt = Formatter(tp_index, param_names, sync_batch_norm=cfg.runtime_ngpus > cfg.plan_ngpus)
     shards, aliases = shard_lines(program.tensors, tp_index, ways)
@@ -236,11 +238,13 @@ def shard_lines(tensors: list[LocalTensor], tp_index: int, ways: int) -> tuple[l
     for t in tensors:
         kind = "" if t.is_param else ", is_param=False" + ("" if t.persistent else ", persistent=False")
         code = (
-            f'self.add_shard("{t.name}", "{t.original_name}", {tuple(t.full_shape)}, torch.{t.dtype}'
+            f"self.add_shard({literal(t.name)}, {literal(t.original_name)}, {tuple(t.full_shape)}, torch.{t.dtype}"
             f"{_shard_arg(t.layout, tp_index, ways)}{kind})"
         )
         shards.append(ShardLine(code, _shard_comment(t, t.layout, ways)))
-    aliases = [f'self.add_alias("{a}", "{t.original_name}")' for t in tensors for a in t.aliases]
+    aliases = [
+        f"self.add_alias({literal(a)}, {literal(t.original_name)})" for t in tensors for a in t.aliases
+    ]
     return shards, aliases
 
 

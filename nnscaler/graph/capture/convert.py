@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import operator
 import os
 import re
@@ -18,6 +19,9 @@ from nnscaler.graph.capture.symbolic import SizeNames
 from nnscaler.graph.ir import Graph, Node, Ref, ShapeRule, TensorMeta, Value, map_refs
 
 __all__ = ["convert_exported"]
+
+_RESERVED_NAMES = frozenset({"self", "tp", "dp", "torch", "F", "comm", "rng", "ckpt", "math", "pytree"})
+"""Names the generated code uses for itself (modules, groups): values are never given them."""
 
 _DROPPED_OPS = {
     "aten._assert_tensor_metadata.default",
@@ -97,8 +101,10 @@ class _Converter:
 
     def _fresh(self, base: str) -> str:
         name = re.sub(r"\W", "_", base)
-        if name[:1].isdigit():
+        if name[:1].isdigit() or not name:
             name = "v_" + name
+        if keyword.iskeyword(name) or name in _RESERVED_NAMES:  # `class`, `self`: not a usable local name
+            name += "_"
         cand, i = name, 1
         while cand in self.names:
             cand, i = f"{name}_{i}", i + 1
