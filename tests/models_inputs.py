@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tests import zoo
 
-__all__ = ["AlibiLM", "build_alibi", "build_llama_aliased", "DUMMY_SEED"]
+__all__ = ["AlibiLM", "XYBlocks", "build_alibi", "build_llama_aliased", "build_xy_blocks", "DUMMY_SEED"]
 
 DUMMY_SEED = 12345
 """tests.parity.DUMMY_SEED (kept equal; imported there would be circular)."""
@@ -94,3 +94,32 @@ def build_llama_aliased(seed: int = 0):
     labels that differ from the inputs."""
     model, make_batch = zoo.build("llama", seed)
     return model, _token_batch(model.config.vocab_size, 16, "input_ids", "labels")
+
+
+class XYBlocks(nn.Module):
+    """forward(x, y): inputs named like the generated code's own locals; repeated blocks (pipelines)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, DIM), nn.GELU()) for _ in range(4)
+        )
+        self.out = nn.Linear(DIM, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return F.mse_loss(self.out(x), y)
+
+
+def build_xy_blocks(seed: int = 0):
+    torch.manual_seed(seed)
+
+    def make_batch(seed: int, batch_size: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return {
+            "x": torch.randn(batch_size, SEQ, DIM, generator=g),
+            "y": torch.randn(batch_size, SEQ, 4, generator=g),
+        }
+
+    return XYBlocks().train(), make_batch

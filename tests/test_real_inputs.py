@@ -30,6 +30,8 @@ CASES = {
     "gpt-pp-shapes": ("gpt", "pp", 2, 2, "sgd", PP, [(2, 9), (6, 16), (4, 3)]),
     "llama-aliased-dp": ("tests.models_inputs:build_llama_aliased", "dp", 1, 2, "adamw", {}, None),
     "llama-aliased-pp": ("tests.models_inputs:build_llama_aliased", "pp", 2, 2, "sgd", PP, None),
+    # forward(x, y): the stage methods' micro-batch dict must not be shadowed by an input named x
+    "xy-pp-shapes": ("tests.models_inputs:build_xy_blocks", "pp", 2, 2, "sgd", PP, [(2, 5), (6, 12)]),
     # ALiBi slopes and a loss weight made with torch.tensor in forward
     "alibi-dp-shapes": ("tests.models_inputs:build_alibi", "dp", 1, 2, "sgd", {}, [(3, 5), (1, 12), (2, 7)]),
     "alibi-tp-shapes": ("tests.models_inputs:build_alibi", "tp", 2, 2, "sgd", {}, [(3, 5), (1, 12), (2, 7)]),

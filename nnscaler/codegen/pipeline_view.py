@@ -199,7 +199,7 @@ def build_pipeline_view(
         ),
     )
     view.stage_specs = specs
-    view.stage_spec_sizes = [f'{n} = x["{n}"]' for n in spec_sizes]
+    view.stage_spec_sizes = [f'{n} = mb["{n}"]' for n in spec_sizes]
     view.uses_math = uses_math([(st.args, st.kwargs) for st in statements]) or any(
         "math." in c for codes in specs.values() for c in codes
     )
@@ -227,5 +227,5 @@ def _stage_view(
         f"Stage {index} of {len(pprog.stages)}: {first or 'start'} .. {last or 'end'}; {role}."
     )
     sizes = sizes_read([(st.args, st.kwargs) for st in program.statements], pprog.inputs.size_names)
-    reads = [f'{n} = x["{n}"]' for n in [*stage.graph_inputs, *sizes]]
+    reads = [f'{n} = mb["{n}"]' for n in [*stage.graph_inputs, *sizes]]
     return StageView(index, params, doc, reads, sections, return_code), uses_checkpoint

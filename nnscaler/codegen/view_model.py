@@ -53,7 +53,7 @@ class Section:
 
 @dataclass
 class StageView:
-    """One pipeline stage's method: `stage{index}(self, x, *received)`."""
+    """One pipeline stage's method: `stage{index}(self, mb, *received)` (mb: the micro-batch dict)."""
 
     index: int
     params: str
@@ -95,7 +95,7 @@ class ModuleView:
     stage_specs: dict[int, list[str]] = field(default_factory=dict)
     """Pipelines: stage -> TensorSpec code of each activation it receives."""
     stage_spec_sizes: list[str] = field(default_factory=list)
-    """Pipelines: lines reading the input sizes those TensorSpecs use from the micro-batch dict x."""
+    """Pipelines: lines reading the input sizes those TensorSpecs use from the micro-batch dict mb."""
     train_step: list[str] = field(default_factory=list)
     """End-to-end mode: the body of `_train_step` (empty: no end-to-end functions)."""
     infer_step: list[str] = field(default_factory=list)

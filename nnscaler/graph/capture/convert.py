@@ -20,7 +20,7 @@ from nnscaler.graph.ir import Graph, Node, Ref, ShapeRule, TensorMeta, Value, ma
 
 __all__ = ["convert_exported"]
 
-_RESERVED_NAMES = frozenset({"self", "tp", "dp", "torch", "F", "comm", "rng", "ckpt", "math", "pytree"})
+_RESERVED_NAMES = frozenset({"self", "tp", "dp", "mb", "torch", "F", "comm", "rng", "ckpt", "math", "pytree"})
 """Names the generated code uses for itself (modules, groups): values are never given them."""
 
 _DROPPED_OPS = {
