@@ -93,10 +93,15 @@ def _tied_groups(pprog: PipelineProgram) -> dict[str, list[int]]:
         if len(groups) > 1:
             layouts = {str(pprog.stages[s].program.layouts.get(name)) for s in stages}
             if len(layouts) > 1:
-                raise CodegenError(  # apply_pipeline stores a tied weight alike in every stage: a bug if seen
-                    f"weight {name} is shared by pipeline stages {stages} with different storage layouts "
-                    f"{sorted(layouts)}; its gradients cannot be summed across them. This is a partition bug: "
-                    "please report it; meanwhile keep the weight replicated in one of the stages' plans"
+                # apply_pipeline stores a tied weight alike in every stage (partition.tied.shared_layouts),
+                # so only a PipelineProgram built some other way gets here
+                raise CodegenError(
+                    f"weight {name} is stored in different layouts {sorted(layouts)} by pipeline stages {stages}: "
+                    "the sum of their gradients would add different pieces of it. Store it in one layout in "
+                    "every stage: build the stages with nnscaler.partition.apply_pipeline, or pass the same "
+                    f"apply_plan(..., forced_layouts={{{name!r}: layout}}) to each stage (consumers that want "
+                    "another layout get a converted copy). If apply_pipeline built these stages, this is a "
+                    "bug: please report it, and meanwhile keep the weight replicated (Replicate()) in every stage"
                 )
             out[name] = groups
     return out

@@ -380,6 +380,11 @@ def _check_forced(graph: Graph, forced: dict[str, Layout], ways: int) -> dict[st
             raise PartitionError(
                 f"forced_layouts[{name!r}] is Partial: a stored tensor must be Replicate or Shard"
             )
+        if isinstance(layout, Shard) and not -len(value.meta.shape) <= layout.dim < len(value.meta.shape):
+            raise PartitionError(
+                f"forced_layouts[{name!r}] = {layout}: {name} has {len(value.meta.shape)} dims "
+                f"(shape {tuple(value.meta.shape)}); choose one of them or Replicate()"
+            )
         if isinstance(layout, Shard) and ways > 1:
             size = value.meta.shape[layout.dim]
             if size % (ways * layout.blocks):

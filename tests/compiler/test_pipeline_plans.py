@@ -206,7 +206,7 @@ def test_generated_train_step_follows_1f1b(tmp_path):
     assert _order(rank0) == ["F0.0", "F0.1", "F0.2", "F0.3", "B0.0", "B0.1", "B0.2", "B0.3"]
     rank1 = (tmp_path / "gencode1.py").read_text()
     assert _order(rank1) == ["F1.0", "F1.1", "F1.2", "B1.0", "F1.3", "B1.1", "B1.2", "B1.3"]
-    assert "def stage1(self, x, " in rank1 and "def stage0(" not in rank1
+    assert "def stage1(self, mb, " in rank1 and "def stage0(" not in rank1
     assert "pipe.recv_forward(1, 0, src=0)" in rank1 and "dst=2" in rank1
     rank3 = (tmp_path / "gencode3.py").read_text()
     assert _order(rank3)[:2] == ["F3.0", "B3.0"]
