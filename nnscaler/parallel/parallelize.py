@@ -30,6 +30,8 @@ from nnscaler.parallel.savedir import (
     module_outdir,
 )
 from nnscaler.policies.options import validate_pas_config
+from nnscaler.runtime.store_sync import next_key, publish_outcome, wait_outcome
+from nnscaler.runtime.timeouts import compile_timeout
 from nnscaler.version import __version__
 
 __all__ = ["parallelize", "load_generated_class"]
@@ -98,17 +100,23 @@ def _save_weights(outdir: Path, module: torch.nn.Module) -> None:
 
 
 def _share_outcome(error: BaseException | None) -> None:
-    """Rank 0 tells the other ranks whether generation worked (instead of leaving them in a barrier)."""
+    """Rank 0 tells the other ranks whether generation worked, through the process-group store.
+
+    The others wait on a store key, not in a collective: rank 0's compile may take longer than the
+    collective timeout (they wait up to NNSCALER_COMPILE_TIMEOUT, and notice at once when rank 0's
+    store is gone), and if it failed they raise `PeerError` with rank 0's error and traceback tail.
+    """
     if not _distributed():
         if error is not None:
             raise error
         return
-    payload = [None if error is None else f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(payload, src=0)
-    if error is not None:
-        raise error
-    if payload[0] is not None:
-        raise RuntimeError(f"rank {_rank()}: rank 0 could not generate the parallel module: {payload[0]}")
+    key = next_key("parallelize")  # the n-th parallelize of every rank meets the n-th of rank 0
+    if _rank() == 0:
+        publish_outcome(key, error)
+        if error is not None:
+            raise error
+        return
+    wait_outcome(key, src=0, what="generate the parallel module", timeout=compile_timeout())
 
 
 def _selected(name: str, strategy: BroadcastGenFilesStrategy) -> bool:

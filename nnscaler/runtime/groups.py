@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 import torch.distributed as dist
 
 from nnscaler.runtime.device import is_initialized
+from nnscaler.runtime.timeouts import group_timeout
 
 __all__ = ["create_groups", "get_group", "clear_groups"]
 
@@ -46,7 +47,8 @@ def create_groups(all_groups: Sequence[Sequence[int]]) -> None:
         world = dist.get_world_size()
         if key[-1] >= world or key[0] < 0:
             raise ValueError(f"group {list(key)} has ranks outside the world of {world} processes")
-        _GROUPS[key] = dist.new_group(list(key))
+        # without a timeout torch gives a new group its backend's default (gloo: 30 minutes), not the world's
+        _GROUPS[key] = dist.new_group(list(key), timeout=group_timeout())
 
 
 def get_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:

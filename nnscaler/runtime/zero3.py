@@ -48,6 +48,7 @@ from torch import nn
 from nnscaler.runtime.buckets import Bucket
 from nnscaler.runtime.comm import _all_gather_single
 from nnscaler.runtime.reducer import DEFAULT_BUCKET_CAP_MB, Reducer, ZeroPiece, zero_process_groups
+from nnscaler.runtime.store_sync import reach
 
 __all__ = ["Zero3Reducer", "build_zero3", "block_of"]
 
@@ -438,7 +439,16 @@ class Zero3Reducer(Reducer):
 
     @torch.no_grad()
     def full_tensors(self) -> dict[str, torch.Tensor]:
-        """Local name -> the full local tensor of every parameter (collective over the ZeRO group)."""
+        """Local name -> the full local tensor of every parameter (collective over the ZeRO group).
+
+        First checks, through the store, that every rank of the ZeRO group came (`reach`): a
+        `state_dict()` called on some ranks only raises there, naming the others, instead of hanging."""
+        reach(
+            "state_dict() of a ZeRO-3 ParallelModule",
+            self.zero_group,
+            hint="Every rank of the ZeRO group must call it (each holds a slice of every parameter): "
+            "call state_dict() on every rank and save it on the rank(s) you want.",
+        )
         out: dict[str, torch.Tensor] = {}
         for flat in self.flats:
             full = torch.empty(flat.size, dtype=flat.dtype, device=flat.device)
