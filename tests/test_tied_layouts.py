@@ -18,9 +18,8 @@ PARITY = {
     # id: (model builder, policy, plan_ngpus, runtime_ngpus, optimizer, extra config kwargs)
     "hybrid-matmul-sgd": ("build_matmul", "hybrid", 4, 4, "sgd", {"pas_config": HYBRID}),
     "hybrid-einsum-adamw": ("build_einsum", "hybrid", 4, 4, "adamw", {"pas_config": HYBRID}),
-    # the last stage's head is row-parallel: stage 0 wants tok_weight S(0), stage 1 S(1); two
-    # data-parallel replicas of the 2 x 2 plan (tied sum within a replica, then the replica mean)
-    "hybrid-rowhead-sgd-dp2": ("build_t", "hybrid_row_parallel_head", 4, 8, "sgd", {"pas_config": HYBRID}),
+    # the last stage's head is row-parallel: stage 0 wants tok_weight S(0), stage 1 S(1)
+    "hybrid-rowhead-sgd": ("build_t", "hybrid_row_parallel_head", 4, 4, "sgd", {"pas_config": HYBRID}),
     # one stage: the embedding wants S(0), the head S(1)
     "tp-rowhead-sgd": ("build_t", "tp_row_parallel_head", 2, 2, "sgd", {"use_end2end": False}),
     "pp-embedding-sgd": ("build_embedding", "pp", 2, 2, "sgd", {"pas_config": PP}),

@@ -23,6 +23,7 @@ import torch
 import torch.fx
 
 from nnscaler.errors import TraceError
+from nnscaler.graph.capture.mode_reads import reads_training
 from nnscaler.graph.ir import ModeValue
 
 __all__ = ["ModeWarning", "mark_mode_arguments", "trace_both_modes"]
@@ -230,6 +231,8 @@ def mark_mode_arguments(
 def trace_both_modes(module: torch.nn.Module, export) -> torch.export.ExportedProgram:
     """`export()` the module in its own mode and in the other one; return a program that follows the
     mode at run time where possible (see the module docstring), else the own-mode program."""
+    if not reads_training(module):
+        return export()  # no code it runs reads the mode: both traces would be equal
     was_training = module.training
     modes = {m: m.training for m in module.modules()}  # submodules may differ (a frozen batch norm)
     own = export()
