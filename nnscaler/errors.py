@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["NnScalerError", "ConfigError", "TraceError", "PlanError", "PartitionError", "CodegenError"]
+__all__ = [
+    "NnScalerError",
+    "ConfigError",
+    "TraceError",
+    "PlanError",
+    "PartitionError",
+    "CodegenError",
+    "CheckpointError",
+]
 
 
 class NnScalerError(Exception):
@@ -27,3 +35,8 @@ class PartitionError(NnScalerError):
 
 class CodegenError(NnScalerError):
     """Generated code could not be rendered or did not parse."""
+
+
+class CheckpointError(NnScalerError, ValueError):
+    """Checkpoint pieces cannot be merged or loaded as given (missing metadata, pieces of different
+    plans, unpaired optimizer states, diverged replicas); names the pieces and what to do."""

@@ -19,10 +19,14 @@ def generate_code(
     policy: str,
     full_shapes: dict[str, tuple],
     version: str,
+    plan_fingerprint: str | None = None,
 ) -> str:
-    """The source of gencode{rank}.py."""
+    """The source of gencode{rank}.py; `plan_fingerprint` (the same for every rank) goes into the class,
+    so checkpoints name the plan they were saved under."""
     if isinstance(program, PipelineProgram):
-        return render_module(
-            build_pipeline_view(program, rank, cfg, model_name, policy, full_shapes, version)
-        )
-    return render_module(build_module_view(program, rank, cfg, model_name, policy, full_shapes, version))
+        view = build_pipeline_view(program, rank, cfg, model_name, policy, full_shapes, version)
+    else:
+        view = build_module_view(program, rank, cfg, model_name, policy, full_shapes, version)
+    if plan_fingerprint is not None:
+        view.class_attrs.append(f"plan_fingerprint = {plan_fingerprint!r}  # names the plan in checkpoints")
+    return render_module(view)

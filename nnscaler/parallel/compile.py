@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,13 @@ def _save_constants(outdir: Path, graph: Graph) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save(dict(graph.constants), tmp)
     tmp.replace(path)
+
+
+def plan_fingerprint(graph_json: bytes, plan_json: str, cfg: ComputeConfig) -> str:
+    """A hash of what decides which pieces each rank holds (traced graph, plan, device counts): names
+    the plan in checkpoints. Settings that keep the layout (reducer, ZeRO, ...) leave it unchanged."""
+    devices = f"{cfg.plan_ngpus}/{cfg.runtime_ngpus}".encode()
+    return hashlib.sha256(graph_json + plan_json.encode() + devices).hexdigest()[:32]
 
 
 def compile_module(
@@ -84,8 +92,11 @@ def compile_module(
     seconds["partition"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     full_shapes = {k: v.meta.shape for k, v in graph.values.items() if v.meta is not None}
+    plan_id = plan_fingerprint(graph_file.read_bytes(), plan.to_json(), cfg)
     for rank in range(cfg.runtime_ngpus):
-        src = generate_code(program, rank, cfg, graph.module_class, policy_name, full_shapes, version)
+        src = generate_code(
+            program, rank, cfg, graph.module_class, policy_name, full_shapes, version, plan_id
+        )
         write_atomic(outdir / f"gencode{rank}.py", src)
     write_atomic(outdir / "compute_config.json", json.dumps(cfg.to_dict(), indent=2, default=str))
     seconds["codegen"] = time.perf_counter() - t0

@@ -14,6 +14,7 @@ built on the first forward with gradients enabled (or the first `sync_grad` / `b
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import warnings
@@ -100,6 +101,9 @@ class ParallelModule(EndToEndMixin, nn.Module):
     constants_file: str | None = None
     """Values of the tensors the forward creates from literals (path relative to the generated file):
     always loaded, whatever `init_params` says, since they are part of the code, not the weights."""
+    plan_fingerprint: str | None = None
+    """Identifies the plan this code was generated for (the compiler sets it, the same on every rank of
+    one compile); checkpoints carry it so pieces of different plans are never merged together."""
 
     def __init__(
         self,
@@ -354,6 +358,12 @@ class ParallelModule(EndToEndMixin, nn.Module):
                 f"load_merged_state_dict into {type(self).__name__}: missing keys {missing}, "
                 f"unexpected keys {unexpected}"
             )
+        if unexpected and len(unexpected) == len(state_dict):  # nothing loaded: surely the wrong dict
+            raise RuntimeError(
+                f"load_merged_state_dict into {type(self).__name__}: none of the keys matches (e.g. "
+                f"{unexpected[0]!r}; the module's names are like {next(iter(known), None)!r}); strip or add "
+                "the prefix that differs"
+            )
         return missing, unexpected
 
     # ---- per-rank state dicts ---------------------------------------------------------------------------
@@ -363,10 +373,19 @@ class ParallelModule(EndToEndMixin, nn.Module):
         """Local attribute name -> original state-dict name, for every registered tensor."""
         return {name: info.original_name for name, info in self.fullmap.items()}
 
+    @property
+    def plan_id(self) -> str:
+        """`plan_fingerprint`, or (hand-written modules) a hash of the class name and the device layout."""
+        if self.plan_fingerprint:
+            return self.plan_fingerprint
+        layout = repr((type(self).__qualname__, self.world_size, self.plan_ngpus)).encode()
+        return "layout-" + hashlib.sha256(layout).hexdigest()[:16]
+
     def get_extra_state(self) -> dict[str, Any]:
         return {
             "format": EXTRA_STATE_FORMAT,
             "rank": self.rank,
+            "plan": self.plan_id,
             "world_size": self.world_size,
             "plan_ngpus": self.plan_ngpus,
             "fullmap": {i.original_name: i.to_meta() for i in self.fullmap.values()},
@@ -378,7 +397,7 @@ class ParallelModule(EndToEndMixin, nn.Module):
         if not isinstance(state, dict) or state.get("format") != EXTRA_STATE_FORMAT:
             raise ValueError(f"{type(self).__name__}: the extra state is not a ParallelModule's")
         fields = ("rank", "world_size", "plan_ngpus", "fullmap", "aliases")
-        if any(state.get(f) != mine[f] for f in fields):
+        if any(state.get(f) != mine[f] for f in fields) or state.get("plan", mine["plan"]) != mine["plan"]:
             raise ValueError(
                 f"{type(self).__name__}: this state dict was saved by rank {state.get('rank')} of a different "
                 "plan or rank; merge the ranks' state dicts with merge_state_dicts and load the result with "

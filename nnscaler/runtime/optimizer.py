@@ -13,6 +13,7 @@ from nnscaler.errors import ConfigError
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.mixed_precision import MixedPrecisionOptimizer, find_mixed_precision
 from nnscaler.runtime.module import ParallelModule
+from nnscaler.runtime.piece_meta import OPTIMIZER_META_KEY, optimizer_meta
 from nnscaler.runtime.reducer import average_gradients, grad_sq_norm, scale_grads
 from nnscaler.runtime.zero import ZeroOptimizer
 
@@ -95,6 +96,7 @@ def _add_param_names(module: nn.Module, opt: torch.optim.Optimizer, sd: dict[str
     names = param_names(module)
     for saved, params in zip(sd["param_groups"], model_param_groups(opt)):
         saved["param_names"] = [names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(params)]
+    sd[OPTIMIZER_META_KEY] = optimizer_meta(module)  # rank and plan: merge pairs it with its model piece
     return sd
 
 

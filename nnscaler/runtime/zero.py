@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from nnscaler.runtime.module import ParallelModule
+from nnscaler.runtime.piece_meta import OPTIMIZER_META_KEY, optimizer_meta
 from nnscaler.runtime.reducer import ZeroPiece
 
 __all__ = ["ZeroOptimizer", "ZERO_SLICES_KEY"]
@@ -178,7 +179,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         group["params"] = list(range(len(self.params)))
         group["param_names"] = [names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(self.params)]
         group[ZERO_SLICES_KEY] = [None if s is None else list(s) for s in self._slices]
-        return {"state": state, "param_groups": [group]}
+        return {"state": state, "param_groups": [group], OPTIMIZER_META_KEY: optimizer_meta(self.module)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state dict of this rank (from `state_dict`), or one indexed by `params` whose
