@@ -30,6 +30,7 @@ from nnscaler.parallel.savedir import (
     module_outdir,
 )
 from nnscaler.policies.options import validate_pas_config
+from nnscaler.runtime.replicas import load_initial_weights, validate_init_params_sync
 from nnscaler.runtime.store_sync import next_key, publish_outcome, wait_outcome
 from nnscaler.runtime.timeouts import compile_timeout
 from nnscaler.version import __version__
@@ -208,6 +209,7 @@ def parallelize(
     module_fn: Callable[[], torch.nn.Module] | None = None,
     init_module_params: bool = True,
     broadcast_strategy: BroadcastGenFilesStrategy | str = BroadcastGenFilesStrategy.NONE,
+    init_params_sync: str = "broadcast",
 ):
     """Compile the module for `compute_config` and return this rank's ParallelModule.
 
@@ -221,6 +223,10 @@ def parallelize(
     specs, policy, ComputeConfig, versions) equals this call's and raises, naming what differs,
     otherwise; 'moo' regenerates when different; 'override' always regenerates; 'graph' plans and
     generates again from the saved traced graph after checking it matches the model.
+
+    init_params_sync (module instance, several ranks): 'broadcast' makes every rank take its shards
+    from rank 0's weights, so unseeded ranks still hold one model; 'check' compares a checksum of
+    every tensor across the ranks and raises naming the first that differs; 'none' trusts each rank's.
     """
     if not isinstance(compute_config, ComputeConfig):
         raise ConfigError(f"compute_config must be a ComputeConfig, got {type(compute_config).__name__}")
@@ -234,6 +240,7 @@ def parallelize(
         raise ConfigError(
             f"broadcast_strategy={broadcast_strategy!r} is not one of {[b.value for b in BroadcastGenFilesStrategy]}"
         ) from None
+    init_params_sync = validate_init_params_sync(init_params_sync)
     if _distributed() and dist.get_world_size() != compute_config.runtime_ngpus:
         raise ConfigError(
             f"ComputeConfig.runtime_ngpus is {compute_config.runtime_ngpus} but the process group has "
@@ -273,12 +280,8 @@ def parallelize(
     pm = gen_class(init_params=False)
     pm.compute_config = compute_config
     pm.train(module_or_module_class.training)  # the generated code follows train()/eval() from here
-    if init_module_params and not any(p.is_meta for p in module_or_module_class.parameters()):
-        module = module_or_module_class
-        full = dict(module.state_dict())
-        # non-persistent buffers (e.g. rotary inv_freq) are not in state_dict but the module needs them
-        full.update({name: b for name, b in module.named_buffers(remove_duplicate=False) if name not in full})
-        pm.load_merged_state_dict(full, strict=False)
+    if init_module_params:  # every rank cuts its shards from rank 0's weights ('broadcast') or checks
+        load_initial_weights(pm, module_or_module_class, init_params_sync, dtype=module_dtype)
     return pm
 
 

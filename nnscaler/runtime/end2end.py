@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -74,7 +75,7 @@ class EndToEndMixin:
             )
         samples = self._micro_batches(samples)
         step = self._schedule_fn("_train_step")
-        with self.no_sync():
+        with self._checked_step("train_step", samples), self.no_sync():
             losses = step(self, samples, is_dummy_batch=is_dummy_batch, scale_fn=scale_fn)
         self.sync_grad()
         return losses
@@ -82,8 +83,19 @@ class EndToEndMixin:
     def infer_step(self, samples: Any) -> list[torch.Tensor]:
         """Forward only over `samples` (as for train_step); returns each micro-batch's loss on every rank."""
         samples = self._micro_batches(samples)
-        with torch.no_grad():
-            return self._schedule_fn("_infer_step")(self, samples)
+        step = self._schedule_fn("_infer_step")
+        with self._checked_step("infer_step", samples), torch.no_grad():
+            return step(self, samples)
+
+    @contextmanager
+    def _checked_step(self, what: str, samples: list[Any]) -> Iterator[None]:
+        """Run the checks before a step once for all its micro-batches (forward then skips them)."""
+        self._preflight(what, lambda: [("samples", samples)])
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
 
     def sync_tied_grads(self) -> None:
         """Sum the gradients of weights that several pipeline stages hold (tied embedding and head)."""

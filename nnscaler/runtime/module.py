@@ -17,8 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nnscaler.config import ComputeConfig
-from nnscaler.runtime import shapes
+from nnscaler.runtime import preflight, shapes
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.end2end import EndToEndMixin
 from nnscaler.runtime.groups import create_groups, get_group
@@ -72,7 +71,9 @@ class ShardInfo:
         }
 
 
-def _before_forward(module: ParallelModule, args: Any) -> None:
+def _before_forward(module: ParallelModule, args: Any, kwargs: dict[str, Any]) -> None:
+    if not module._in_step and not module.use_scheduler:  # train_step checked already; stages refuse
+        module._preflight("forward", lambda: preflight.named_call_inputs(module.forward, args, kwargs))
     module._grads_synced = False
     if torch.is_grad_enabled():
         module._ensure_reducer()  # before backward, so its hooks overlap communication with it
@@ -101,6 +102,9 @@ class ParallelModule(EndToEndMixin, nn.Module):
     constants_file: str | None = None
     """Values of the tensors the forward creates from literals (path relative to the generated file):
     always loaded, whatever `init_params` says, since they are part of the code, not the weights."""
+    check_input_agreement: bool = True
+    """Before each forward / train_step of a plan over several ranks, check that they all got inputs of
+    the same shapes (one all-gather of an int64; see nnscaler.runtime.preflight). Set False to skip it."""
     plan_fingerprint: str | None = None
     """Identifies the plan this code was generated for (the compiler sets it, the same on every rank of
     one compile); checkpoints carry it so pieces of different plans are never merged together."""
@@ -123,12 +127,6 @@ class ParallelModule(EndToEndMixin, nn.Module):
                     f"{type(self).__name__} was generated for rank {rank} of {world_size} but this process "
                     f"is rank {dist.get_rank()} of {dist.get_world_size()}"
                 )
-        elif world_size > 1:
-            warnings.warn(
-                f"{type(self).__name__}: world_size={world_size} but torch.distributed is not initialised "
-                "(call nnscaler.init()); all communication is skipped",
-                stacklevel=2,
-            )
         self.rank = rank
         self.world_size = world_size
         self.plan_ngpus = plan_ngpus
@@ -144,7 +142,8 @@ class ParallelModule(EndToEndMixin, nn.Module):
         """ZeRO stage 3 (the reducer, once built): hands out gathered parameters, see `__getattr__`."""
         self._tied: dict[str, list[int]] = {}  # see EndToEndMixin.add_tied
         create_groups([*all_groups, *self._implied_groups()])
-        self.register_forward_pre_hook(_before_forward)
+        self._in_step = False  # inside train_step / infer_step: forward skips the checks made there
+        self.register_forward_pre_hook(_before_forward, with_kwargs=True)
         self.register_forward_hook(_after_forward, always_call=True)
 
     # ---- groups -------------------------------------------------------------------------------------
@@ -161,6 +160,21 @@ class ParallelModule(EndToEndMixin, nn.Module):
         plans = [list(range(s, s + p)) for s in range(0, w, p)]
         dps = [list(range(i, w, p)) for i in range(p)]
         return plans + dps
+
+    def _preflight(self, what: str, named_inputs: Callable[[], Iterable[tuple[str, Any]]]) -> None:
+        """Before running: refuse without the process group; the ranks of the plan got the same shapes."""
+        owner = type(self).__name__
+        preflight.require_process_group(owner, what, self.rank, self.world_size, self.plan_ngpus)
+        if self.plan_ngpus > 1 and self.check_input_agreement:
+            preflight.check_plan_inputs(
+                owner,
+                what,
+                named_inputs(),
+                self.group("plan"),
+                rank=self.rank,
+                plan_ngpus=self.plan_ngpus,
+                world_size=self.world_size,
+            )
 
     def check_input_structure(self, spec: Any, expected: Any) -> None:
         """Generated code calls this: forward inputs must be nested as they were when traced."""

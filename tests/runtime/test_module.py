@@ -299,8 +299,9 @@ def test_initial_weights_from_class_attribute_or_file(tmp_path: Any) -> None:
     class FromFile(Gen):
         init_weights_file = str(tmp_path / "full.pt")
 
-    with pytest.warns(UserWarning, match="not initialised"):
-        pm = FromFile(1, 2, 2)  # rank 1 of a 2-way plan, built without a process group
+    pm = FromFile(1, 2, 2)  # rank 1 of a 2-way plan, built without a process group (it cannot run)
+    with pytest.raises(RuntimeError, match="rank 1 of a plan for 2 devices.*not initialised"):
+        pm(torch.zeros(2, D), torch.zeros(2, D))
     # rank 1 holds shard index 0
     _close(pm.fc1_weight, torch.cat([full["fc1.weight"][i : i + 3] for i in (0, 6, 12)]), "strided shard")
     _close(pm.fc2_weight, full["fc2.weight"][:, :3], "column shard")

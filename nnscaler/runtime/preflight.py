@@ -1,0 +1,135 @@
+"""Checks before a multi-rank module runs a step: its process group exists, and the ranks of one plan
+got inputs of the same shapes (before their first collective pairs different sizes, which gloo
+aborts on and NCCL may hang on).
+
+The shape check costs one all-gather of a single int64 (a digest of the input shapes) per call: a
+rank cannot skip it when its own shapes repeat, since a peer's may have changed (the last, smaller
+batch of an epoch), and that peer would then pair its check with this rank's first model
+collective. The shapes themselves are gathered only when the digests differ, to name them.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from nnscaler.runtime.device import is_initialized, runtime_device
+
+__all__ = ["require_process_group", "check_plan_inputs", "named_call_inputs"]
+
+
+def require_process_group(owner: str, what: str, rank: int, world_size: int, plan_ngpus: int) -> None:
+    """Raise unless a module generated for rank `rank` of `world_size` runs in such a process group."""
+    if world_size <= 1:
+        return
+    how = (
+        f"run {world_size} processes under torchrun (one per rank) and call nnscaler.init() before parallelize, "
+        "or parallelize with ComputeConfig(1, 1) to run in one process"
+    )
+    if not is_initialized():
+        raise RuntimeError(
+            f"{owner}.{what}: this module is rank {rank} of a plan for {world_size} devices "
+            f"(plan_ngpus={plan_ngpus}, runtime_ngpus={world_size}) and needs its process group to compute the "
+            f"right values, but torch.distributed is not initialised: {how}"
+        )
+    here = (dist.get_rank(), dist.get_world_size())
+    if here != (rank, world_size):
+        raise RuntimeError(
+            f"{owner}.{what}: this module was generated for rank {rank} of {world_size} but runs as rank "
+            f"{here[0]} of {here[1]}: {how}"
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _signature(fn: Any) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
+def named_call_inputs(method: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
+    """`(argument name, value)` of a call of the bound `method` (positional ones as `args[i]` when they
+    cannot be bound to names)."""
+    try:
+        bound = _signature(method.__func__).bind(method.__self__, *args, **kwargs)
+        return list(bound.arguments.items())[1:]
+    except (TypeError, ValueError, AttributeError):
+        return [(f"args[{i}]", a) for i, a in enumerate(args)] + list(kwargs.items())
+
+
+def _tensor_shapes(named: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, tuple[int, ...]]]:
+    for name, value in named:
+        leaves, _ = pytree.tree_flatten_with_path(value)
+        for path, leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                yield name + pytree.keystr(path), tuple(leaf.shape)
+
+
+def _digest(shapes: Sequence[tuple[str, tuple[int, ...]]]) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(struct.pack("<q", len(shapes)))
+    for _, shape in shapes:
+        h.update(struct.pack(f"<q{len(shape)}q", len(shape), *shape))
+    return struct.unpack("<q", h.digest())[0]
+
+
+def check_plan_inputs(
+    owner: str,
+    what: str,
+    named_inputs: Iterable[tuple[str, Any]],
+    group: dist.ProcessGroup | None,
+    *,
+    rank: int,
+    plan_ngpus: int,
+    world_size: int,
+) -> None:
+    """Raise on every rank of `group` (the ranks running one copy of the plan) unless all got tensors of
+    the same shapes. Collective over `group`; a no-op when it is None (one rank, or no process group)."""
+    if group is None:
+        return
+    shapes = list(_tensor_shapes(named_inputs))
+    mine = torch.tensor([_digest(shapes)], dtype=torch.int64, device=runtime_device())
+    size = dist.get_world_size(group)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(gathered, mine, group=group)
+    if len(set(torch.cat(gathered).tolist())) == 1:
+        return
+    everyone: list[Any] = [None] * size
+    dist.all_gather_object(everyone, shapes, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    raise ValueError(_mismatch(owner, what, ranks, everyone, rank, plan_ngpus, world_size))
+
+
+def _mismatch(
+    owner: str,
+    what: str,
+    ranks: list[int],
+    everyone: list[list[tuple[str, tuple[int, ...]]]],
+    rank: int,
+    plan_ngpus: int,
+    world_size: int,
+) -> str:
+    counts = [len(s) for s in everyone]
+    if len(set(counts)) > 1:
+        shown = ", ".join(f"{n} on rank {r}" for r, n in zip(ranks, counts))
+        found = f"different numbers of tensors: {shown}"
+    else:
+        differ = [i for i in range(counts[0]) if len({s[i][1] for s in everyone}) > 1]
+        first = differ[0]
+        name = everyone[ranks.index(rank)][first][0]
+        shown = ", ".join(f"{list(s[first][1])} on rank {r}" for r, s in zip(ranks, everyone))
+        found = f"{name} has shape {shown}"
+        if len(differ) > 1:
+            found += f" (also different: {', '.join(everyone[0][i][0] for i in differ[1:])})"
+    return (
+        f"{owner}.{what}: the ranks that run one copy of the plan (global ranks {ranks}) got inputs of different "
+        f"shapes: {found}. Every rank of a plan must get the same batch (their collectives exchange pieces of "
+        f"it): give each data-parallel replica its own data by the data-parallel rank, rank // plan_ngpus "
+        f"(= {rank // plan_ngpus} here, of {world_size // plan_ngpus} replicas), not by the global rank"
+    )
