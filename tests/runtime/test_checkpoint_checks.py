@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import warnings
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler import ComputeConfig, parallelize
-from nnscaler.errors import CheckpointError
+from nnscaler.errors import CheckpointError, ConfigError
 from nnscaler.runtime import (
     build_optimizer,
     load_merged_state_dict,
@@ -260,6 +261,23 @@ def test_load_merged_state_dict_reports_what_it_skipped(pieces: list[dict[Any, A
 
 
 # ---- parallelize ---------------------------------------------------------------------------------------
+
+
+def test_meta_device_module_refuses_to_load(tmp_path: Any) -> None:
+    from tests import zoo
+
+    real, make_batch = zoo.build("mlp")
+    batch = make_batch(0, 4)
+    meta = copy.deepcopy(real).to("meta")
+    kw: dict[str, Any] = {"gen_savedir": tmp_path, "instance_name": "meta"}
+    with pytest.raises(ConfigError, match=r"weights are on the meta device .*init_module_params=False"):
+        parallelize(meta, batch, "dp", ComputeConfig(1, 1), **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = parallelize(meta, batch, "dp", ComputeConfig(1, 1), init_module_params=False, **kw)
+    assert not [w for w in caught if "meta" in str(w.message)], [str(w.message) for w in caught]
+    load_merged_state_dict(pm, real.state_dict())  # the promised weights
+    torch.testing.assert_close(pm(**batch), real(**batch))
 
 
 def _plan_fingerprint(path: Any) -> str:

@@ -1,0 +1,48 @@
+"""parallelize(load_module=True, init_module_params=True) needs weights to load: a module on the meta
+device has none, and the ParallelModule would keep uninitialised memory (NaN outputs) without a word.
+
+`refuse_meta_weights` raises in that case, alike on every rank: with `init_params_sync='broadcast'`
+over several ranks the weights come from rank 0, so only rank 0's module must be materialised;
+otherwise every rank loads its own, so every rank's must be.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from nnscaler.errors import ConfigError
+from nnscaler.runtime.device import is_initialized
+
+__all__ = ["meta_tensor_names", "refuse_meta_weights"]
+
+
+def meta_tensor_names(module: nn.Module) -> list[str]:
+    """Names of the module's parameters and buffers on the meta device (no storage)."""
+    tensors = [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]
+    return [name for name, t in tensors if t.is_meta]
+
+
+def refuse_meta_weights(module: nn.Module, init_params_sync: str) -> None:
+    """Raise when the ranks that provide the weights hold meta tensors. A collective (one small
+    all-gather) when the default process group has several ranks: every rank calls it."""
+    mine = meta_tensor_names(module)
+    if is_initialized() and dist.get_world_size() > 1:
+        everyone: list[list[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine[:3] + (["..."] if len(mine) > 3 else []))
+        sources = [0] if init_params_sync == "broadcast" else range(len(everyone))
+        bad = {r: everyone[r] for r in sources if everyone[r]}
+    else:
+        bad = {0: mine[:3] + (["..."] if len(mine) > 3 else [])} if mine else {}
+    if not bad:
+        return
+    where = "; ".join(f"rank {r}: {names}" for r, names in bad.items())
+    raise ConfigError(
+        f"parallelize: the module's weights are on the meta device ({where}), so the ParallelModule would "
+        "keep uninitialised weights. Materialise them (e.g. module.to_empty(device=...) and initialise them, "
+        "or build the module outside torch.device('meta')), or pass init_module_params=False and load a "
+        "checkpoint with load_merged_state_dict"
+    )
