@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from nnscaler.policies.schedules import Action, forward_order, group_actions
+from nnscaler.policies.p2p_plan import Compute, Post, group_program
+from nnscaler.policies.schedules import Action
 
 __all__ = ["pipeline_train_lines", "pipeline_infer_lines", "plain_train_lines", "plain_infer_lines"]
 
@@ -55,23 +56,45 @@ def _prologue(train: bool) -> list[str]:
     return lines
 
 
+def _post_line(step: Post, rank_of: Callable[[int], int]) -> str:
+    """Post a receive early, in the P2P order agreed with the peer (nnscaler/policies/p2p_plan.py)."""
+    msg = step.msg
+    if msg.kind == "F":
+        return f"pipe.post_recv_forward({msg.stage + 1}, {msg.micro}, src={rank_of(msg.stage)})  # posted early: P2P order"
+    return f"pipe.post_recv_backward({msg.stage - 1}, {msg.micro}, src={rank_of(msg.stage)})  # posted early: P2P order"
+
+
+def _schedule_lines(
+    scheduler: str,
+    nstages: int,
+    pp_size: int,
+    nmicros: int,
+    group: int,
+    rank_of: Callable[[int], int],
+    train: bool,
+) -> list[str]:
+    """Each forward / backward (its receive waited, its send issued) and the receives posted early."""
+    lines = _prologue(train)
+    for step in group_program(scheduler, nstages, pp_size, nmicros, group, train):
+        if isinstance(step, Post) and step.peer != group:
+            lines.append(_post_line(step, rank_of))
+        elif isinstance(step, Compute) and step.action.kind == "F":
+            lines += _forward_lines(step.action, nstages, rank_of, keep=train)
+        elif isinstance(step, Compute):
+            lines += _backward_lines(step.action, nstages, rank_of)
+    return lines + ["return pipe.finish()"]
+
+
 def pipeline_train_lines(
     scheduler: str, nstages: int, pp_size: int, nmicros: int, group: int, rank_of: Callable[[int], int]
 ) -> list[str]:
-    lines = _prologue(True)
-    for action in group_actions(scheduler, nstages, pp_size, nmicros, group):
-        make = _forward_lines if action.kind == "F" else _backward_lines
-        lines += make(action, nstages, rank_of)
-    return lines + ["return pipe.finish()"]
+    return _schedule_lines(scheduler, nstages, pp_size, nmicros, group, rank_of, True)
 
 
 def pipeline_infer_lines(
     scheduler: str, nstages: int, pp_size: int, nmicros: int, group: int, rank_of: Callable[[int], int]
 ) -> list[str]:
-    lines = _prologue(False)
-    for action in forward_order(scheduler, nstages, pp_size, nmicros, group):
-        lines += _forward_lines(action, nstages, rank_of, keep=False)
-    return lines + ["return pipe.finish()"]
+    return _schedule_lines(scheduler, nstages, pp_size, nmicros, group, rank_of, False)
 
 
 def plain_train_lines() -> list[str]:

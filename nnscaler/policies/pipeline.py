@@ -13,6 +13,7 @@ from __future__ import annotations
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph, cut_graph
+from nnscaler.policies.nccl_sim import check_nccl
 from nnscaler.policies.options import HybridOptions, PipelineOptions, PpOptions
 from nnscaler.policies.plan import SCHEDULERS, NodePlan, PipelinePlan, Plan
 from nnscaler.policies.schedules import simulate
@@ -81,6 +82,7 @@ def _pipeline(
         starts = balanced_starts(graph, [i for i, _ in found], nstages)
     plan = PipelinePlan(tuple(graph.nodes[i].name for i in starts), pp_size, nmicros, scheduler, pivots)
     simulate(scheduler, nstages, pp_size, nmicros)  # raises on schedules that cannot run
+    check_nccl(scheduler, nstages, pp_size, nmicros)  # and on P2P orders that would hang on NCCL
     return plan
 
 
@@ -151,3 +153,4 @@ def validate_pipeline(graph: Graph, plan: Plan, cfg: ComputeConfig) -> None:
     if p.scheduler not in SCHEDULERS:
         raise PlanError(f"pipeline scheduler {p.scheduler!r}: use one of {list(SCHEDULERS)}")
     simulate(p.scheduler, p.nstages, p.pp_size, p.nmicros)
+    check_nccl(p.scheduler, p.nstages, p.pp_size, p.nmicros)

@@ -6,8 +6,10 @@ the end of the step), backward through a stage given the gradients of its output
 gradients of its inputs back, and at the end sum the gradients of weights that two stages share
 and hand every rank of the pipeline the micro-batches' losses.
 
-Messages are matched by tag (stage, direction, micro-batch, tensor), so sends and receives between
-two ranks need not be posted in the same order.
+No tags (NCCL ignores them): P2P ops between two ranks are matched in issue order, so both must
+issue them in one agreed order. The generated code does (nnscaler/policies/p2p_plan.py): it posts
+receives early with `post_recv_forward` / `post_recv_backward` where the order needs them, before
+later sends. `NNSCALER_STRICT_P2P=1` checks the order on gloo (nnscaler/runtime/p2p.py).
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ import torch
 import torch.distributed as dist
 
 from nnscaler.runtime.device import is_initialized
+from nnscaler.runtime.p2p import P2P, Label
 
 __all__ = ["TensorSpec", "PipelineStep", "split_micro_batches", "forward_kwargs"]
-
-_MAX_TENSORS = 1000  # tensors per message, for tags
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,10 @@ class PipelineStep:
         self.scale_fn = scale_fn
         self.dummy = list(is_dummy_batch) if is_dummy_batch is not None else [False] * self.nmicros
         self.losses: list[torch.Tensor | None] = [None] * self.nmicros
-        self._pending: list[tuple[Any, torch.Tensor]] = []
         self._device = model.device
+        self._p2p = P2P(self._device)
+        self._posted: dict[tuple[int, bool, int], list[tuple[Any, torch.Tensor]]] = {}
+        """(receiving stage key, backward, micro-batch) -> receives posted, not yet waited."""
         self.inputs: list[dict[str, Any]] = []
         """Pipelined modules: each micro-batch's traced inputs and input sizes, by name."""
         self.specs: dict[int, list[TensorSpec]] = {}
@@ -123,25 +126,43 @@ class PipelineStep:
             _check_same_shapes(self.inputs)
             self.specs = model.stage_inputs(self.inputs[0]) if self.inputs else {}
 
-    # ---- point to point ------------------------------------------------------------------------
-    def _tag(self, stage: int, backward: bool, micro: int, i: int) -> int:
-        return ((stage * 2 + int(backward)) * self.nmicros + micro) * _MAX_TENSORS + i
-
+    # ---- point to point (no tags: ops between two ranks are matched in issue order, as on NCCL) ----------
     def _send(
         self, tensors: Sequence[torch.Tensor], dst: int, stage: int, backward: bool, micro: int
     ) -> None:
         for i, t in enumerate(tensors):
-            t = t.detach().contiguous()
             if is_initialized():
-                self._pending.append((dist.isend(t, dst, tag=self._tag(stage, backward, micro, i)), t))
+                self._p2p.send(t.detach().contiguous(), dst, Label("B" if backward else "F", stage, micro, i))
 
-    def _recv(self, specs: Sequence[TensorSpec], src: int, stage: int, backward: bool, micro: int) -> list:
-        out = []
+    def _post(self, specs: Sequence[TensorSpec], src: int, stage: int, backward: bool, micro: int) -> None:
+        key = (stage, backward, micro)
+        if key in self._posted:
+            raise RuntimeError(
+                f"the receive of {Label('B' if backward else 'F', stage, micro, 0)} was posted twice"
+            )
+        received = []
         for i, spec in enumerate(specs):
             t = torch.empty(spec.shape, dtype=spec.dtype, device=self._device)
-            dist.recv(t, src, tag=self._tag(stage, backward, micro, i))
+            received.append((self._p2p.recv(t, src, Label("B" if backward else "F", stage, micro, i)), t))
+        self._posted[key] = received
+
+    def _recv(self, specs: Sequence[TensorSpec], src: int, stage: int, backward: bool, micro: int) -> list:
+        key = (stage, backward, micro)
+        if key not in self._posted:
+            self._post(specs, src, stage, backward, micro)
+        out = []
+        for work, t in self._posted.pop(key):
+            work.wait()
             out.append(t)
         return out
+
+    def post_recv_forward(self, stage: int, micro: int, src: int) -> None:
+        """Post (without waiting) the receive of `stage`'s inputs for `micro`: the P2P order with `src`."""
+        self._post(self.specs[stage], src, stage, False, micro)
+
+    def post_recv_backward(self, stage: int, micro: int, src: int) -> None:
+        """Post (without waiting) the receive of the gradients of `stage`'s outputs for `micro`."""
+        self._post([s for s in self.specs[stage + 1] if s.wants_grad], src, stage + 1, True, micro)
 
     def recv_forward(self, stage: int, micro: int, src: int) -> list[torch.Tensor]:
         """The input activations of `stage` for `micro`, from the rank running the previous stage."""
@@ -198,9 +219,11 @@ class PipelineStep:
     # ---- end of step ---------------------------------------------------------------------------------
     def finish(self) -> list[torch.Tensor]:
         """Wait for the sends, sum the gradients of weights shared by stages, return every loss."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        self._p2p.finish()
+        if self._posted:
+            raise RuntimeError(
+                f"pipeline step ended with receives posted but never used: {sorted(self._posted)}"
+            )
         if self.train:
             self.model.sync_tied_grads()
         return self._share_losses()
