@@ -4,7 +4,8 @@
 Stage s runs on device group s % pp_size. A forward of (s, m) needs the forward of (s - 1, m); a
 backward of (s, m) needs the forward of (s, m) and the backward of (s + 1, m). Sends are
 asynchronous and receives block just before their first use, so a schedule runs iff the simulator
-below finishes it.
+below finishes it (with buffered sends; the P2P order the executor issues is checked under NCCL's
+rules by nnscaler/policies/nccl_sim.py).
 """
 
 from __future__ import annotations
