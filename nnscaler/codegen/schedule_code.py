@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from nnscaler.policies.p2p_plan import Compute, Post, group_program
+from nnscaler.policies.p2p_plan import Compute, Post, Send, group_program
 from nnscaler.policies.schedules import Action
 
 __all__ = ["pipeline_train_lines", "pipeline_infer_lines", "plain_train_lines", "plain_infer_lines"]
@@ -42,10 +42,10 @@ def _backward_lines(a: Action, nstages: int, rank_of: Callable[[int], int]) -> l
     return lines
 
 
-def _prologue(train: bool) -> list[str]:
+def _prologue(train: bool, peers: list[int] | None = None) -> list[str]:
     args = "train=True, scale_fn=scale_fn, is_dummy_batch=is_dummy_batch" if train else "train=False"
     lines = [
-        f"pipe = PipelineStep(model, samples, {args})",
+        f"pipe = PipelineStep(model, samples, {args}{f', peers={peers}' if peers else ''})",
         "x = pipe.inputs  # traced inputs and input sizes per micro-batch",
     ]
     if train:
@@ -64,6 +64,14 @@ def _post_line(step: Post, rank_of: Callable[[int], int]) -> str:
     return f"pipe.post_recv_backward({msg.stage - 1}, {msg.micro}, src={rank_of(msg.stage)})  # posted early: P2P order"
 
 
+def _peer_rank(step: Post | Send, rank_of: Callable[[int], int]) -> int:
+    """The rank at the other end of a P2P op."""
+    msg = step.msg
+    if isinstance(step, Post):
+        return rank_of(msg.stage)
+    return rank_of(msg.stage + (1 if msg.kind == "F" else -1))
+
+
 def _schedule_lines(
     scheduler: str,
     nstages: int,
@@ -74,8 +82,12 @@ def _schedule_lines(
     train: bool,
 ) -> list[str]:
     """Each forward / backward (its receive waited, its send issued) and the receives posted early."""
-    lines = _prologue(train)
-    for step in group_program(scheduler, nstages, pp_size, nmicros, group, train):
+    program = group_program(scheduler, nstages, pp_size, nmicros, group, train)
+    peers = sorted(
+        {_peer_rank(s, rank_of) for s in program if isinstance(s, (Post, Send)) and s.peer != group}
+    )
+    lines = _prologue(train, peers)
+    for step in program:
         if isinstance(step, Post) and step.peer != group:
             lines.append(_post_line(step, rank_of))
         elif isinstance(step, Compute) and step.action.kind == "F":

@@ -18,6 +18,7 @@ a wrong order that would hang on NCCL may run on gloo, or swap two tensors of eq
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from nnscaler.errors import NnScalerError
 
-__all__ = ["Label", "P2P", "P2POrderError", "strict_p2p"]
+__all__ = ["Label", "P2P", "P2POrderError", "connect", "strict_p2p"]
 
 STRICT_ENV = "NNSCALER_STRICT_P2P"
 TIMEOUT_ENV = "NNSCALER_STRICT_P2P_TIMEOUT"
@@ -146,3 +147,28 @@ class P2P:
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+
+
+_connected: set[tuple[int, int, int]] = set()
+"""(process group id, rank, peer) pairs already connected in this process."""
+
+
+def connect(peers: Sequence[int], device: torch.device) -> None:
+    """Exchange one tiny message with each peer not yet connected, pairs in one global order.
+
+    NCCL creates a pair's communicator at the pair's first P2P op, blocking until both ranks reach
+    it. The schedule's first ops could close a cycle (in the interleaved schedule, device group 0's
+    first op is a receive from the last group, which waits for the others); connecting every pair
+    first, each rank taking its pairs in increasing (low rank, high rank) order, cannot.
+    """
+    if not dist.is_initialized():
+        return
+    me, pg = dist.get_rank(), id(dist.group.WORLD)
+    todo = sorted((min(me, p), max(me, p)) for p in set(peers) if p != me and (pg, me, p) not in _connected)
+    for low, high in todo:
+        peer = high if low == me else low
+        out, got = torch.zeros(1, device=device), torch.empty(1, device=device)
+        ops = [dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, got, peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        _connected.add((pg, me, peer))

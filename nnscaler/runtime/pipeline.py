@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler.runtime.device import is_initialized
-from nnscaler.runtime.p2p import P2P, Label
+from nnscaler.runtime.p2p import P2P, Label, connect
 
 __all__ = ["TensorSpec", "PipelineStep", "split_micro_batches", "forward_kwargs"]
 
@@ -104,7 +104,9 @@ class PipelineStep:
         train: bool = True,
         scale_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
         is_dummy_batch: Sequence[bool] | None = None,
+        peers: Sequence[int] = (),
     ) -> None:
+        """peers: the ranks this rank's schedule exchanges P2P ops with (connected first, in order)."""
         self.model = model
         self.nmicros = len(samples)
         self.kwargs = [forward_kwargs(s, model.forward_args) for s in samples]
@@ -115,6 +117,8 @@ class PipelineStep:
         self.losses: list[torch.Tensor | None] = [None] * self.nmicros
         self._device = model.device
         self._p2p = P2P(self._device)
+        if peers and is_initialized():
+            connect(peers, self._device)
         self._posted: dict[tuple[int, bool, int], list[tuple[Any, torch.Tensor]]] = {}
         """(receiving stage key, backward, micro-batch) -> receives posted, not yet waited."""
         self.inputs: list[dict[str, Any]] = []

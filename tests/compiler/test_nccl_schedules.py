@@ -148,3 +148,10 @@ def test_generated_code_posts_receives_in_the_pair_order():
     assert lines[posts[0]].startswith("pipe.post_recv_forward(1, 0, src=0)")
     assert lines[posts[1]].startswith("pipe.post_recv_forward(1, 1, src=0)") and posts[1] < send_b0
     assert lines[posts[2]].startswith("pipe.post_recv_forward(1, 2, src=0)") and posts[2] == send_b0 + 1
+
+
+def test_generated_code_names_its_peers_to_connect_first():
+    """Interleaved group 0's first op is a receive from the last group: pairs are connected first."""
+    lines = pipeline_train_lines("1f1b_interleaved", 8, 4, 4, 0, lambda s: s % 4)
+    assert lines[0].endswith("peers=[1, 3])")
+    assert lines[4] == "pipe.post_recv_forward(4, 0, src=3)  # posted early: P2P order"
