@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import lru_cache
 
 from nnscaler.errors import PlanError
 from nnscaler.policies.schedules import Action, forward_order, group_actions
@@ -138,10 +139,12 @@ def _send_times(orders: list[list[Action]], nstages: int, train: bool) -> dict[M
     return sent
 
 
+@lru_cache(maxsize=64)
 def pair_sequences(
     scheduler: str, nstages: int, pp_size: int, nmicros: int, train: bool = True
 ) -> dict[tuple[int, int], list[Message]]:
-    """(group a, group b) with a < b -> their messages in the order both must issue them."""
+    """(group a, group b) with a < b -> their messages in the order both must issue them (cached: do not
+    modify the result)."""
     sent = _send_times(_orders(scheduler, nstages, pp_size, nmicros, train), nstages, train)
     out: dict[tuple[int, int], list[Message]] = {}
     for msg in sorted(sent, key=lambda m: (sent[m], m.src(pp_size), m)):
