@@ -170,7 +170,8 @@ def test_broadcast_strategies_send_what_their_names_say(tmp_path):
     code = {
         n
         for n in names
-        if (n.startswith("gencode") and n.endswith(".py")) or n in ("compute_config.json", "constants.pt")
+        if (n.startswith("gencode") and n.endswith(".py"))
+        or n in ("compute_config.json", "constants.pt", "fingerprint.json")  # fingerprint: the sha256 of each
     }
     assert got["none"] == {}
     assert set(got["all"]) == names

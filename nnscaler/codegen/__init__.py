@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from nnscaler.codegen.atomic import write_atomic
 from nnscaler.codegen.pipeline_view import build_pipeline_view
-from nnscaler.codegen.render import render_module, write_atomic
+from nnscaler.codegen.render import render_module
 from nnscaler.codegen.view_model import ModuleView, build_module_view
 from nnscaler.config import ComputeConfig
 from nnscaler.partition import PipelineProgram, Program

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import os
 from pathlib import Path
 
 import jinja2
@@ -11,7 +10,7 @@ import jinja2
 from nnscaler.codegen.view_model import ModuleView
 from nnscaler.errors import CodegenError
 
-__all__ = ["render_module", "write_atomic"]
+__all__ = ["render_module"]
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(Path(__file__).parent / "templates")),
@@ -29,11 +28,3 @@ def render_module(view: ModuleView) -> str:
     except SyntaxError as exc:
         raise CodegenError(f"generated code for rank {view.rank} does not parse: {exc}") from exc
     return text
-
-
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write via a temporary file and rename, so readers never see a half-written file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

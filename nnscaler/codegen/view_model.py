@@ -228,7 +228,7 @@ def constants_attrs(program: Program) -> list[str]:
     """Where the values of tensors the forward creates from literals are (`torch.tensor([...])`)."""
     if not program.constant_names:
         return []
-    names = ", ".join(program.constant_names)
+    names = comment_text(", ".join(program.constant_names))
     return [f'constants_file = "constants.pt"  # values of {names}: made in forward, non-persistent buffers']
 
 

@@ -14,15 +14,14 @@ from nnscaler.codegen import generate_code, write_atomic
 from nnscaler.config import ComputeConfig
 from nnscaler.graph.capture import capture
 from nnscaler.graph.ir import Graph, graph_from_json, graph_to_json
+from nnscaler.parallel.artifacts import torch_bytes
+from nnscaler.parallel.savedir import CONSTANTS_FILE
 from nnscaler.parallel.unannotated import check_unannotated
 from nnscaler.partition import apply_pipeline, apply_plan
 from nnscaler.policies import make_plan, resolve_policy
 from nnscaler.policies.options import validate_pas_config
 
 __all__ = ["CompileResult", "compile_module", "CONSTANTS_FILE"]
-
-CONSTANTS_FILE = "constants.pt"
-"""Values of the tensors the forward creates from literals (non-persistent buffers of gencode)."""
 
 
 @dataclass
@@ -38,9 +37,7 @@ def _save_constants(outdir: Path, graph: Graph) -> None:
     if not graph.constants:
         path.unlink(missing_ok=True)
         return
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(dict(graph.constants), tmp)
-    tmp.replace(path)
+    write_atomic(path, torch_bytes(dict(graph.constants)))
 
 
 def plan_fingerprint(graph_json: bytes, plan_json: str, cfg: ComputeConfig) -> str:

@@ -31,8 +31,9 @@ from nnscaler.parallel import sources
 
 __all__ = ["fingerprint", "describe_differences", "check_graph", "GRAPH_KEYS", "FORMAT"]
 
-FORMAT = 2
-"""Bumped when the fingerprint's layout changes (an older one then never matches)."""
+FORMAT = 3
+"""Bumped when the fingerprint's layout changes (an older one then never matches). 3: the saved
+fingerprint records the sha256 of every generated file (nnscaler.parallel.artifacts)."""
 
 GRAPH_KEYS = (
     "python",

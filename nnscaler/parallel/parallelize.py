@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 import types
@@ -17,12 +16,12 @@ import torch.distributed as dist
 from nnscaler.codegen import write_atomic
 from nnscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
 from nnscaler.errors import ConfigError
-from nnscaler.graph.ir import Graph, graph_from_json
+from nnscaler.parallel.artifacts import read_saved, torch_bytes, verified_code
 from nnscaler.parallel.compile import compile_module
-from nnscaler.parallel.fingerprint import check_graph, describe_differences, fingerprint
+from nnscaler.parallel.dirlock import compile_lock
+from nnscaler.parallel.fingerprint import fingerprint
+from nnscaler.parallel.reuse import decide, finish_generation, start_generation
 from nnscaler.parallel.savedir import (
-    FINGERPRINT_FILE,
-    GRAPH_FILE,
     WEIGHTS_FILE,
     generated_files,
     is_code_file,
@@ -47,55 +46,14 @@ def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
 
-# ---- reuse ---------------------------------------------------------------------------------------
-
-
-def _read_fingerprint(outdir: Path) -> dict | None:
-    try:
-        return json.loads((outdir / FINGERPRINT_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _plan_generation(
-    outdir: Path, fp: dict, reuse: ReuseType, cfg: ComputeConfig
-) -> tuple[bool, Graph | None]:
-    """(whether to generate code, a saved graph to generate it from instead of tracing)."""
-    saved = _read_fingerprint(outdir)
-    if reuse == ReuseType.OVERRIDE:
-        return True, None
-    if reuse == ReuseType.GRAPH:
-        graph_file = outdir / GRAPH_FILE
-        if not graph_file.exists():
-            return True, None  # nothing saved yet: trace
-        graph = graph_from_json(graph_file.read_text())
-        check_graph(graph, saved, fp, str(outdir))
-        return True, graph
-    complete = saved is not None and all(
-        (outdir / f"gencode{r}.py").exists() for r in range(cfg.runtime_ngpus)
-    )
-    if not complete:
-        return True, None
-    diffs = describe_differences(saved, fp)
-    if not diffs:
-        return False, None
-    if reuse == ReuseType.MATCH:
-        more = f" (and {len(diffs) - 8} more)" if len(diffs) > 8 else ""
-        raise ConfigError(
-            f"reuse='match' but the code in {outdir} was generated for something else: "
-            f"{'; '.join(diffs[:8])}{more}. To regenerate it pass reuse='moo' (regenerate when different) "
-            "or reuse='override' (always); to keep both, pass another gen_savedir or instance_name"
-        )
-    return True, None  # moo
+# ---- weights -------------------------------------------------------------------------------------
 
 
 def _save_weights(outdir: Path, module: torch.nn.Module) -> None:
     """The module's initial weights, for `GenModel(init_params=True)` on every rank (class input)."""
     full = dict(module.state_dict())
     full.update({n: b for n, b in module.named_buffers(remove_duplicate=False) if n not in full})
-    tmp = outdir / f".{WEIGHTS_FILE}.tmp{os.getpid()}"
-    torch.save({k: v.detach().cpu() for k, v in full.items()}, tmp)
-    os.replace(tmp, outdir / WEIGHTS_FILE)
+    write_atomic(outdir / WEIGHTS_FILE, torch_bytes({k: v.detach().cpu() for k, v in full.items()}))
 
 
 # ---- rank 0 -> other ranks -----------------------------------------------------------------------
@@ -141,8 +99,9 @@ def _broadcast_files(outdir: Path, strategy: BroadcastGenFilesStrategy) -> None:
 
     ALL: every file, weights included; NO_WEIGHTS: every file but the weights (`fullmodel.pt`);
     CODE: what a rank needs to import and construct its module (`gencode*.py`, `compute_config.json`,
-    `constants.pt`); NONE: nothing. One rank per machine (LOCAL_RANK 0) writes; files of the sent
-    kinds that rank 0 does not have are removed there, so no stale file survives.
+    `constants.pt`, and `fingerprint.json`, which records their sha256); NONE: nothing. One rank per
+    machine (LOCAL_RANK 0) writes; files of the sent kinds that rank 0 does not have are removed
+    there, so no stale file survives.
     """
     if strategy == BroadcastGenFilesStrategy.NONE or not _distributed():
         return
@@ -159,20 +118,20 @@ def _broadcast_files(outdir: Path, strategy: BroadcastGenFilesStrategy) -> None:
         data = [(outdir / name).read_bytes() if rank == 0 else None]
         dist.broadcast_object_list(data, src=0)
         if writer:
-            tmp = outdir / f".{name}.tmp{os.getpid()}"
-            tmp.write_bytes(data[0])
-            os.replace(tmp, outdir / name)
+            write_atomic(outdir / name, data[0])
     dist.barrier()  # the other ranks of a machine read what its leader wrote
 
 
 # ---- loading -------------------------------------------------------------------------------------
 
 
-def load_generated_class(outdir: Path, rank: int) -> type:
+def load_generated_class(outdir: Path, rank: int, record: dict[str, dict] | None = None) -> type:
     """Import gencode{rank}.py and return its GenModel class.
 
-    Executed from its text (no bytecode cache), so a file regenerated within the same second is
-    never mistaken for the old one.
+    The file (and those constructing the module reads) is first checked against the sha256 recorded
+    when it was generated: `record` as rank 0 read it (parallelize sends it to every rank), or
+    outdir's fingerprint.json when None; an edited, truncated or foreign file raises ConfigError
+    naming it. The checked text is what runs (no bytecode cache, no second read).
     """
     path = outdir / f"gencode{rank}.py"
     if not path.exists():
@@ -180,17 +139,29 @@ def load_generated_class(outdir: Path, rank: int) -> type:
             f"{path} does not exist: if the ranks do not share gen_savedir's disk, parallelize with "
             "broadcast_strategy='code' (or 'no_weights', 'all') so rank 0 sends the generated files"
         )
+    source = verified_code(outdir, rank, record)
     name = f"nnscaler_gencode_{abs(hash(str(path.resolve())))}_{rank}"
     module = types.ModuleType(name)
     module.__file__ = str(path)
     module.__spec__ = importlib.util.spec_from_file_location(name, path)
     sys.modules[name] = module
     try:
-        exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
+        exec(compile(source, str(path), "exec"), module.__dict__)
     except BaseException:
         sys.modules.pop(name, None)
         raise
     return module.GenModel
+
+
+def _shared_record(record: dict[str, dict] | None) -> dict[str, dict] | None:
+    """Rank 0's record of the generated files (read under the compile lock), on every rank: a rank
+    whose disk holds other files than rank 0 wrote (no shared disk, nothing broadcast), or files
+    another job rewrote since, finds out before importing them."""
+    if _distributed():
+        box = [record]
+        dist.broadcast_object_list(box, src=0)
+        record = box[0]
+    return record
 
 
 # ---- the entry point -----------------------------------------------------------------------------
@@ -253,10 +224,10 @@ def parallelize(
     is_class = isinstance(module_or_module_class, type)
     module_class = module_or_module_class if is_class else type(module_or_module_class)
     outdir = module_outdir(gen_savedir, module_class, instance_name)
-    error = None
+    error, record = None, None
     if _rank() == 0:
         try:
-            _generate(
+            record = _generate(
                 module_or_module_class,
                 dummy_forward_args,
                 pas_policy,
@@ -273,7 +244,7 @@ def parallelize(
     _broadcast_files(outdir, broadcast_strategy)
     if not load_module:
         return None
-    gen_class = load_generated_class(outdir, _rank())
+    gen_class = load_generated_class(outdir, _rank(), _shared_record(record))
     if gen_class.compute_config is None:
         gen_class.compute_config = compute_config
     if is_class:
@@ -298,8 +269,9 @@ def _generate(
     module_fn,
     module_dtype,
     save_weights: bool,
-) -> None:
-    """Rank 0: build the module if given a class, and (re)generate the output directory as `reuse` says."""
+) -> dict[str, dict] | None:
+    """Rank 0: build the module if given a class, and (re)generate the output directory as `reuse` says.
+    Returns the record of the generated files (their sha256), as read while holding the directory's lock."""
     if isinstance(module_or_class, type):
         module = module_fn() if module_fn is not None else module_or_class()
     else:
@@ -307,19 +279,22 @@ def _generate(
     if module_dtype is not None:
         module = module.to(module_dtype)
     fp = fingerprint(module, dummy_forward_args, pas_policy, cfg, __version__)
-    generate, graph = _plan_generation(outdir, fp, reuse, cfg)
-    if generate:
-        compile_module(
-            module,
-            dummy_forward_args,
-            pas_policy,
-            cfg,
-            outdir,
-            __version__,
-            reuse_graph=False,
-            graph=graph,
-        )
-        write_atomic(outdir / FINGERPRINT_FILE, json.dumps(fp, indent=1))
-    has_storage = not any(p.is_meta for p in module.parameters())
-    if save_weights and has_storage and (generate or not (outdir / WEIGHTS_FILE).exists()):
-        _save_weights(outdir, module)
+    with compile_lock(outdir):  # another job compiling into the same directory waits here
+        generate, graph = decide(outdir, fp, reuse, cfg)
+        if generate:
+            start_generation(outdir)
+            compile_module(
+                module,
+                dummy_forward_args,
+                pas_policy,
+                cfg,
+                outdir,
+                __version__,
+                reuse_graph=False,
+                graph=graph,
+            )
+            finish_generation(outdir, fp, cfg)  # the fingerprint, last
+        has_storage = not any(p.is_meta for p in module.parameters())
+        if save_weights and has_storage and (generate or not (outdir / WEIGHTS_FILE).exists()):
+            _save_weights(outdir, module)
+        return read_saved(outdir).artifacts

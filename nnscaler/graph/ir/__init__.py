@@ -1,5 +1,6 @@
 """The IR: graph, values, nodes, JSON serialization and invariants. A leaf package."""
 
+from nnscaler.graph.ir.code_fields import UnsafeGraphError, check_code_fields
 from nnscaler.graph.ir.graph import (
     Graph,
     Node,
@@ -35,6 +36,8 @@ __all__ = [
     "encode_const",
     "decode_const",
     "verify",
+    "check_code_fields",
+    "UnsafeGraphError",
     "Piece",
     "cut_graph",
     "Layout",

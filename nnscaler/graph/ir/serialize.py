@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict
 from typing import Any
 
+from nnscaler.graph.ir.code_fields import check_code_fields
 from nnscaler.graph.ir.graph import Graph, Node, Ref, ShapeRule, SymExpr, TensorMeta, Value
 from nnscaler.graph.ir.mode import ModeValue
 
@@ -102,7 +103,9 @@ def graph_to_json(graph: Graph) -> str:
     return json.dumps(data, indent=1)
 
 
-def graph_from_json(text: str) -> Graph:
+def graph_from_json(text: str, where: str = "the graph") -> Graph:
+    """The graph of `graph_to_json`; fields that codegen writes as code are checked to be plain
+    names and size arithmetic (UnsafeGraphError naming `where` and the field otherwise)."""
     data = json.loads(text)
     g = Graph(module_class=data["module_class"], forward_args=data["forward_args"], inputs=data["inputs"])
     for v in data["values"]:
@@ -124,6 +127,7 @@ def graph_from_json(text: str) -> Graph:
     g.shape_rules = [ShapeRule(code, why) for code, why in data.get("shape_rules", [])]
     g.static_shapes = data.get("static_shapes", False)
     g.constants = dict.fromkeys(data.get("constants", []))
+    check_code_fields(g, where)
     return g
 
 
