@@ -97,6 +97,10 @@ class EndToEndMixin:
         finally:
             self._in_step = False
 
+    def tied_params(self) -> list[torch.nn.Parameter]:
+        """The parameters `sync_tied_grads` sums: the reducer reduces them only after that sum."""
+        return [self._tensor(name) for name in self._tied]
+
     def sync_tied_grads(self) -> None:
         """Sum the gradients of weights that several pipeline stages hold (tied embedding and head)."""
         for name, ranks in self._tied.items():

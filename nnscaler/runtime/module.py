@@ -524,6 +524,7 @@ class ParallelModule(EndToEndMixin, nn.Module):
             world_size=self.world_size,
             plan_ngpus=self.plan_ngpus,
             config=self.compute_config,
+            deferred=self.tied_params(),  # summed over the stages first (sync_tied_grads)
         )
 
     @contextmanager

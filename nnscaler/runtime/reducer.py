@@ -165,6 +165,14 @@ class Reducer:
     `stage` 2 also shards the gradients: reduce-scatter as soon as a bucket is full, and only the
     owned slice is kept (the full bucket is freed once reduced).
 
+    `deferred` parameters (weights tied across pipeline stages, whose gradients are summed over the
+    stages at the end of the step) get buckets of their own, after the others, without hooks: their
+    `.grad` stays put through backward and they are reduced in `sync` only, after that sum.
+
+    Collective order: every rank issues the collectives of all communicators (data-parallel, ZeRO,
+    cross group) in one order fixed by the program (bucket launch order, itself the hook order, the
+    same on every rank), never by which collective happens to be complete; NCCL requires it.
+
     `grad_dtype` (e.g. fp32): the buckets of lower-precision parameters hold their gradients in this
     dtype and reduce them in it; the reduced gradients are then `param.main_grad` (see buckets.py).
     """
@@ -181,6 +189,7 @@ class Reducer:
         scatter: bool = False,
         stage: int = 1,
         grad_dtype: torch.dtype | None = None,
+        deferred: Sequence[torch.nn.Parameter] = (),
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(
@@ -202,7 +211,10 @@ class Reducer:
         """Buckets launched and not yet taken in, in launch order."""
         nshards = dist.get_world_size(zero_group) if zero_group is not None else 1
         index = dist.get_rank(zero_group) if zero_group is not None else 0
-        groups = make_buckets(self.params[::-1], bucket_cap_mb)
+        late = {id(p) for p in deferred}
+        groups = make_buckets([p for p in self.params[::-1] if id(p) not in late], bucket_cap_mb)
+        nhooked = len(groups)
+        groups += make_buckets([p for p in self.params[::-1] if id(p) in late], bucket_cap_mb)
         sizes = [-(-sum(p.numel() for p in b) // nshards) * nshards for b in groups]
         totals: dict[tuple[torch.dtype, torch.device], int] = {}
         for b, size in zip(groups, sizes):
@@ -243,7 +255,7 @@ class Reducer:
         """Some gradients are kept wider than their parameters (in `.main_grad`, see buckets.py)."""
         self._hooks = []
         if self.async_op:
-            for bucket in self.buckets:
+            for bucket in self.buckets[:nhooked]:
                 for i, p in enumerate(bucket.params):
                     self._hooks.append(
                         p.register_post_accumulate_grad_hook(partial(self._on_grad, bucket, i))
@@ -278,13 +290,18 @@ class Reducer:
                 return
 
     def _reap(self) -> None:
-        """Stage 2: take in (and free) the buckets whose collectives are over, in launch order, without
-        waiting; start the cross-group sum of a finished scatter."""
+        """Stage 2 / 3, right after a launch: start the cross-group sum of every earlier bucket (waiting
+        for its reduce-scatter: a fixed point in program order, so every rank issues the collectives
+        of both communicators in one order), then take in (and free), in launch order, the buckets
+        whose collectives are over. Completion decides only what is freed now, never what is issued."""
+        cross = self._cross()
+        if cross is not None:
+            for bucket in self._queue[:-1]:
+                bucket.launch_cross(cross)  # no-op once launched
         while self._queue and self._queue[0].done():
             bucket = self._queue[0]
-            if bucket.phase == 1 and self._cross() is not None:
-                bucket.launch_cross(self._cross())
-                continue
+            if bucket.phase == 1 and cross is not None:
+                return  # the newest bucket: its cross-group sum starts at the next launch or in sync
             bucket.finish(self.scatter)
             self._queue.pop(0)
 
@@ -405,13 +422,14 @@ def build_reducer(
     world_size: int,
     plan_ngpus: int,
     config: Any,
+    deferred: Sequence[torch.nn.Parameter] = (),
 ) -> Reducer | None:
     """The reducer of a ParallelModule from its `compute_config` (None: defaults); None with one replica.
 
     Reads `reducer_bucket_cap_mb`, `use_async_reducer`, `use_zero`, `zero_ngroups`,
     `zero_use_reduce_scatter` and (when present) `zero_stage` and `reduce_grads_in_fp32`. Under ZeRO it
     creates the ZeRO groups of every data-parallel group: every rank must build its reducers at the
-    same point, in the same order.
+    same point, in the same order. `deferred`: see `Reducer` (weights tied across pipeline stages).
     """
     if dp_group is None:
         return None
@@ -436,6 +454,7 @@ def build_reducer(
         scatter=config is not None and config.zero_use_reduce_scatter,
         stage=stage,
         grad_dtype=torch.float32 if getattr(config, "reduce_grads_in_fp32", False) else None,
+        deferred=deferred,
     )
 
 
