@@ -29,6 +29,7 @@ from nnscaler.parallel.savedir import (
     module_outdir,
 )
 from nnscaler.policies.options import validate_pas_config
+from nnscaler.runtime.device import bind_cuda_device
 from nnscaler.runtime.meta_weights import refuse_meta_weights
 from nnscaler.runtime.replicas import load_initial_weights, validate_init_params_sync
 from nnscaler.runtime.store_sync import next_key, publish_outcome, wait_outcome
@@ -219,6 +220,7 @@ def parallelize(
             f"{dist.get_world_size()} ranks"
         )
     validate_pas_config(pas_policy, compute_config.pas_config)  # every rank, before any tracing
+    bind_cuda_device()  # object collectives below run on the current CUDA device under NCCL
     if load_module and init_module_params and not isinstance(module_or_module_class, type):
         refuse_meta_weights(module_or_module_class, init_params_sync)  # before compiling: fail fast
     is_class = isinstance(module_or_module_class, type)

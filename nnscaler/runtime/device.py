@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from nnscaler.runtime.timeouts import collective_timeout
 
-__all__ = ["init", "uninit", "is_initialized", "runtime_device"]
+__all__ = ["init", "uninit", "is_initialized", "runtime_device", "local_cuda_index", "bind_cuda_device"]
 
 
 def is_initialized() -> bool:
@@ -22,7 +22,9 @@ def is_initialized() -> bool:
 def init(timeout: datetime.timedelta | float | None = None) -> None:
     """Start the default process group when running under torchrun ($RANK and $WORLD_SIZE set).
 
-    NCCL when CUDA is available (the CUDA device is set to $LOCAL_RANK first), gloo otherwise.
+    NCCL when CUDA is available, gloo otherwise. Under NCCL the process's CUDA device (see
+    `local_cuda_index`) is made current and given to the process group as `device_id`, so NCCL binds
+    its communicators to it at once and object collectives run on it.
     `timeout` (a timedelta or seconds; default $NNSCALER_TIMEOUT seconds, else 10 minutes) bounds
     every collective: one that a peer does not join raises after it instead of after gloo's 30
     minutes. Rank 0's compile in `parallelize` is not bound by it (see NNSCALER_COMPILE_TIMEOUT).
@@ -40,8 +42,9 @@ def init(timeout: datetime.timedelta | float | None = None) -> None:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend="nccl", timeout=wait)
+        device = torch.device("cuda", local_cuda_index())
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl", timeout=wait, device_id=device)
     else:
         dist.init_process_group(backend="gloo", timeout=wait)
 
@@ -55,10 +58,41 @@ def uninit() -> None:
         dist.destroy_process_group()
 
 
+def local_cuda_index() -> int:
+    """This process's CUDA device: $LOCAL_RANK among the visible devices, or device 0 when the
+    launcher gives each process one GPU of its own (CUDA_VISIBLE_DEVICES per process, e.g. SLURM)."""
+    count = torch.cuda.device_count()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if count == 1:
+        return 0
+    if local_rank >= count:
+        raise RuntimeError(
+            f"LOCAL_RANK is {local_rank} but this process sees {count} CUDA devices "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): start at most "
+            f"{count} processes per machine, or make each process see one GPU"
+        )
+    return local_rank
+
+
+def _uses_nccl() -> bool:
+    return is_initialized() and "nccl" in str(dist.get_backend()).lower()
+
+
 def runtime_device() -> torch.device:
-    """`cuda:LOCAL_RANK` when the process group runs NCCL, else `cpu`."""
-    if is_initialized() and "nccl" in str(dist.get_backend()).lower():
-        if "LOCAL_RANK" in os.environ:
-            return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        return torch.device("cuda", torch.cuda.current_device())
+    """This process's CUDA device (`local_cuda_index`) when the process group runs NCCL, else `cpu`."""
+    if _uses_nccl():
+        return torch.device("cuda", local_cuda_index())
     return torch.device("cpu")
+
+
+def bind_cuda_device() -> None:
+    """Under NCCL make `runtime_device()` the current CUDA device (a no-op otherwise).
+
+    torch's object collectives (all_gather_object, broadcast_object_list) and NCCL's lazily made
+    communicators use the current device; a process group created without `nnscaler.init` and
+    without `torch.cuda.set_device` would put every rank on device 0.
+    """
+    if _uses_nccl():
+        device = runtime_device()
+        if torch.cuda.current_device() != device.index:
+            torch.cuda.set_device(device)
