@@ -1,12 +1,13 @@
-"""Trace-time choices of well-known model libraries, made as for a static-shape run.
+"""Trace-time choices of well-known model libraries, made as in an eager run.
 
-transformers materialises a full boolean causal mask whenever it sees torch.export, because an
-exported program might later run with another sequence length. nnscaler bakes the traced shapes into
-the generated code (calling it with other shapes is an error), so the choice transformers makes in
-eager mode is the exact one here: no mask and `is_causal=True` when nothing is padded, which lets
-SDPA use its flash / memory-efficient kernels on GPU and skip the masked half of the scores.
-Grouped-query attention is kept as repeated key/value heads (transformers' `repeat_kv`) rather than
-SDPA's `enable_gqa`, so query and key/value heads split alike under tensor parallelism.
+transformers materialises a full boolean causal mask whenever it sees torch.export, in case the
+exported program later runs with another sequence length. nnscaler keeps input sizes symbolic and
+checks the trace's shape guards at call time (a call that would take another branch is an error), so
+the choice transformers makes in eager mode holds for every call the generated code accepts: no mask
+and `is_causal=True` when nothing is padded, which lets SDPA use its flash / memory-efficient kernels
+on GPU and skip the masked half of the scores. Grouped-query attention is kept as repeated key/value
+heads (transformers' `repeat_kv`) rather than SDPA's `enable_gqa`, so query and key/value heads split
+alike under tensor parallelism.
 
 Padding masks given as inputs are still traced tensors and still become explicit masks. Packed
 sequences are looked for only in position ids the caller passes (transformers otherwise makes them
