@@ -19,10 +19,12 @@ re-imports its module in the child).
 from __future__ import annotations
 
 import faulthandler
+import gc
 import math
 import os
 import pickle
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -32,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from nnscaler.runtime.device import uninit
 
 __all__ = ["spawn", "SpawnError", "DEFAULT_TIMEOUT"]
 
@@ -88,8 +92,15 @@ def _child(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], arg
         _write_atomically(_error_path(wd, rank), traceback.format_exc().encode())
         raise SystemExit(1) from None
     dist.barrier()  # no rank tears the group down while a peer still has collectives in flight
-    dist.destroy_process_group()
+    # Modules, reducers and nnscaler's group cache hold process groups, often in reference cycles: a
+    # gloo group destroyed only during interpreter teardown can abort the process ("terminate called
+    # without an active exception"), so every group goes now, while Python is fully alive.
+    gc.collect()
+    uninit()
     _write_atomically(_result_path(wd, rank), data)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # and skip the interpreter teardown: the result is on disk
 
 
 def spawn(
