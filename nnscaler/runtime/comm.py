@@ -255,7 +255,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         parts = [softmax.sum(-1), picked]
         if label_smoothing > 0:
             parts.append(x.sum(-1) - n_local * lmax)
-        flat = torch.cat([torch.stack(parts).flatten(), x.new_tensor([float(n_local)])])
+        n_vocab = torch.full((1,), float(n_local), dtype=x.dtype, device=x.device)  # a fill: no H2D copy
+        flat = torch.cat([torch.stack(parts).flatten(), n_vocab])
         if group is not None:
             dist.all_reduce(flat, group=group)
         sums, vocab = flat[:-1].view(len(parts), -1), flat[-1]

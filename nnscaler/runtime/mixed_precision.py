@@ -85,7 +85,7 @@ def _any_nonfinite(grads: Iterable[torch.Tensor]) -> bool:
     world = _world()
     if world is not None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=world)
-    return bool(flag.item())
+    return bool(flag.item())  # the step's one host sync: whether to skip it is decided on the host
 
 
 class DynamicLossScaler:
@@ -214,7 +214,7 @@ class MixedPrecisionOptimizer:
         self._watched: dict[int, torch.Tensor] = {}
         """id(master) -> the tensor whose version counter tells that the parameter changed elsewhere."""
         self._versions: dict[int, int] = {}
-        self._grad_factor = 1.0
+        self._grad_factor: float | torch.Tensor = 1.0
         self.step_skipped = False
         """Whether the last step was skipped for inf / nan gradients."""
         super().__init__(params, *args, **kwargs)  # type: ignore[call-arg]
@@ -272,14 +272,18 @@ class MixedPrecisionOptimizer:
     # ---- gradients -------------------------------------------------------------------------------------
 
     @property
-    def grad_multiplier(self) -> float:
+    def grad_multiplier(self) -> float | torch.Tensor:
         """What the step multiplies the gradients by: 1 / loss scale times the pending clip coefficient."""
         scale = self.loss_scaler.get_scale() if self.loss_scaler is not None else 1.0
         return self._grad_factor / scale
 
-    def multiply_grads(self, factor: float) -> None:
-        """Multiply the gradients of the next step by `factor` (applied in fp32, when they are cast)."""
-        self._grad_factor *= float(factor)
+    def multiply_grads(self, factor: float | torch.Tensor) -> None:
+        """Multiply the gradients of the next step by `factor` (applied in fp32, when they are cast);
+        a tensor factor (a clip coefficient) stays on device, so no host sync."""
+        if isinstance(factor, torch.Tensor):
+            self._grad_factor = factor.detach().float() * self._grad_factor
+        else:
+            self._grad_factor = self._grad_factor * float(factor)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the parameters (`.grad` and `.main_grad`) and of the masters."""
@@ -333,7 +337,9 @@ class MixedPrecisionOptimizer:
                 with torch.no_grad():
                     for _, m, g in chunk:
                         g32 = g.detach() if g.dtype == m.dtype else g.detach().to(m.dtype)
-                        if factor != 1.0:
+                        if isinstance(factor, torch.Tensor):
+                            g32.mul_(factor.to(g32.device))
+                        elif factor != 1.0:
                             g32.mul_(factor)  # in place on an fp32 .grad / .main_grad: consumed here
                         m.grad = g32
                 base(self)

@@ -578,12 +578,14 @@ class ParallelModule(EndToEndMixin, nn.Module):
             dist.all_reduce(total, group=plan)
         return total
 
-    def clip_gnorm(self, max_norm: float | None = None) -> float:
-        """Total gradient 2-norm (same on every rank); with `max_norm`, scale gradients like clip_grad_norm_."""
+    def clip_gnorm(self, max_norm: float | None = None) -> torch.Tensor:
+        """Total gradient 2-norm (same on every rank) as a 0-dim fp32 device tensor (as nnScaler; no
+        host sync: call `float()` on it when the value is needed); with `max_norm`, scale gradients
+        like clip_grad_norm_ (the coefficient stays on device)."""
         total = self.grad_sq_norm().sqrt()
         if max_norm is not None:
             self.scale_grads(max_norm, total)
-        return float(total)
+        return total
 
     def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
         """Scale the (synced) gradients as `clip_grad_norm_` does for `total_norm`; under ZeRO the

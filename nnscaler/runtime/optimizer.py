@@ -64,8 +64,9 @@ def sync_grads(module: nn.Module) -> None:
     average_gradients(outer_parameters(module), _world())
 
 
-def clip_gnorm(module: nn.Module, max_norm: float | None = None) -> float:
-    """Total gradient 2-norm of `module` (ParallelModules and outer parameters); clip in place if asked."""
+def clip_gnorm(module: nn.Module, max_norm: float | None = None) -> torch.Tensor:
+    """Total gradient 2-norm of `module` (ParallelModules and outer parameters) as a 0-dim device
+    tensor (no host sync); clip in place if asked."""
     if isinstance(module, ParallelModule):
         return module.clip_gnorm(max_norm)
     pms = parallel_modules(module)
@@ -79,7 +80,7 @@ def clip_gnorm(module: nn.Module, max_norm: float | None = None) -> float:
         scale_grads(outer, max_norm, total)
         for _, pm in pms:
             pm.scale_grads(max_norm, total)
-    return float(total)
+    return total
 
 
 def model_param_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
@@ -159,14 +160,14 @@ def build_optimizer(
 
     built: list[torch.optim.Optimizer] = []
 
-    def clip(max_norm: float | None = None) -> float:
+    def clip(max_norm: float | None = None) -> torch.Tensor:
         mp = find_mixed_precision(built[0]) if built else None
         if mp is None:
             norm = clip_gnorm(module, max_norm)
         else:  # the gradients are still scaled by the loss scale; clipping happens at the fp32 cast
             norm = clip_gnorm(module, None) * mp.grad_multiplier
-            if max_norm is not None:
-                mp.multiply_grads(min(1.0, max_norm / (norm + 1e-6)))
+            if max_norm is not None:  # a device tensor: no host sync
+                mp.multiply_grads(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         synced["outer"] = True
         return norm
 

@@ -93,11 +93,21 @@ def param_grad(p: torch.Tensor) -> torch.Tensor | None:
 
 def grad_sq_norm(params: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
     """Sum of squared gradient entries of `params` (fp32 scalar; parameters without grad count 0)."""
+    grads = [g for g in (param_grad(p) for p in params) if g is not None]
+    return sq_norm_of(grads, device)
+
+
+def sq_norm_of(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """Sum of squared entries of `tensors` as an fp32 device scalar: one `torch._foreach_norm` per
+    (device, dtype) group, no host sync."""
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        grad = param_grad(p)
-        if grad is not None:
-            total = total + grad.detach().float().pow(2).sum().to(total.device)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    for ts in groups.values():
+        norms = torch._foreach_norm(ts, 2.0)
+        total = total + torch.linalg.vector_norm(torch.stack(norms).float()).square().to(total.device)
     return total
 
 
@@ -121,10 +131,13 @@ def first_holders(keys: Sequence[Hashable], group: dist.ProcessGroup | None) -> 
 
 def scale_grads(params: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
     """Scale gradients by `min(1, max_norm / (total_norm + 1e-6))`, as `torch.nn.utils.clip_grad_norm_`."""
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for p in params:
-        for grad in {id(g): g for g in (p.grad, getattr(p, "main_grad", None)) if g is not None}.values():
-            grad.detach().mul_(coef.to(grad.device, grad.dtype))
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # stays on device: no host sync
+    grads = {id(g): g for p in params for g in (p.grad, getattr(p, "main_grad", None)) if g is not None}
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads.values():
+        groups.setdefault((g.device, g.dtype), []).append(g.detach())
+    for (device, dtype), gs in groups.items():
+        torch._foreach_mul_(gs, coef.to(device, dtype))
 
 
 @dataclass(frozen=True, eq=False)
@@ -369,10 +382,7 @@ class Reducer:
         """ZeRO: squared 2-norm of the reduced gradients of `params` over the ZeRO group (this rank
         holds its slice of them; the slices of the group are summed)."""
         wanted = {id(p) for p in params}
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        for piece in self.pieces:
-            if id(piece.source) in wanted:
-                total = total + piece.grad().float().pow(2).sum().to(device)
+        total = sq_norm_of([piece.grad() for piece in self.pieces if id(piece.source) in wanted], device)
         dist.all_reduce(total, group=self.zero_group)
         return total
 

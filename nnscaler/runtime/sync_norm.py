@@ -36,7 +36,7 @@ def sync_batch_norm(
             x, running_mean, running_var, weight, bias, training, momentum, eps
         )
     dims = [0] + list(range(2, x.dim()))
-    count = torch.tensor(float(x.numel() // x.shape[1]), dtype=x.dtype, device=x.device)
+    count = torch.full((), float(x.numel() // x.shape[1]), dtype=x.dtype, device=x.device)  # no H2D copy
     stats = torch.cat([x.sum(dims), (x * x).sum(dims), count.reshape(1)])
     stats = _all_reduce_both_ways(stats, group)
     channels = x.shape[1]

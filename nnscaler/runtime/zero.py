@@ -157,8 +157,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     p.grad.detach_().zero_()
         self.inner.zero_grad(set_to_none)
 
-    def clip_gnorm(self, max_norm: float | None = None) -> float:
-        """Total gradient 2-norm of the module (each piece counted once); clip in place if asked."""
+    def clip_gnorm(self, max_norm: float | None = None) -> torch.Tensor:
+        """Total gradient 2-norm of the module (each piece counted once; 0-dim device tensor, no host
+        sync); clip in place if asked."""
         return self._clip(max_norm)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -155,7 +155,7 @@ def _train_bf16(rank: int, name: str, cfg_kwargs: dict[str, Any]) -> dict[str, t
         if step == 1:  # the reference clips the same way: the coefficient applies in fp32 at the step
             ref_norm = float(nn.utils.clip_grad_norm_(ref.parameters(), float("inf")))
             ref_opt.multiply_grads(min(1.0, CLIP / (ref_norm + 1e-6)))
-            torch.testing.assert_close(opt.clip_gnorm(CLIP), ref_norm, **BF16)
+            torch.testing.assert_close(float(opt.clip_gnorm(CLIP)), ref_norm, **BF16)
         opt.step()
         ref_opt.step()
         if cfg_kwargs.get("reduce_grads_in_fp32"):  # reduced in fp32 buckets, read from .main_grad
@@ -172,7 +172,7 @@ def _train_bf16(rank: int, name: str, cfg_kwargs: dict[str, Any]) -> dict[str, t
         pm(x[_rows(rank, WORLD, PLAN, part, 2)], t[_rows(rank, WORLD, PLAN, part, 2)]).backward()
         everyone = torch.cat([_rows(q, WORLD, PLAN, part, 2) for q in range(0, WORLD, PLAN)])
         ref(x[everyone], t[everyone]).backward()
-        norm = opt.clip_gnorm()
+        norm = float(opt.clip_gnorm())
     torch.testing.assert_close(norm, float(nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))), **BF16)
     opt.zero_grad()
     ref_opt.zero_grad()
@@ -278,7 +278,7 @@ def _fp16(rank: int, zero: bool, standalone: bool) -> None:
             ref_norm = (
                 float(nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))) / ref_scaler.get_scale()
             )
-            torch.testing.assert_close(opt.clip_gnorm(), ref_norm, **BF16)
+            torch.testing.assert_close(float(opt.clip_gnorm()), ref_norm, **BF16)
         if standalone:
             scaler.step(opt)
             scaler.update()

@@ -152,7 +152,7 @@ def train_worker(rank: int, world: int) -> dict[str, Any]:
         if step == 1:  # replica-aware clipping, then the step must not sync again
             ref_norm = float(nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
             assert ref_norm > 0.05, "the test must actually clip"
-            _close(pm.clip_gnorm(0.05), ref_norm, "clip_gnorm")
+            _close(float(pm.clip_gnorm(0.05)), ref_norm, "clip_gnorm")
         opt.step()
         opt.zero_grad()
         ref_opt.step()
@@ -253,7 +253,7 @@ def _train_alone(model: nn.Module, ref: nn.Module, x: torch.Tensor, t: torch.Ten
         _close(loss, ref_loss, f"loss at step {step}")
         if step == 1:
             ref_norm = float(nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
-            _close(opt.clip_gnorm(0.05), ref_norm, "clip_gnorm")  # type: ignore[attr-defined]
+            _close(float(opt.clip_gnorm(0.05)), ref_norm, "clip_gnorm")  # type: ignore[attr-defined]
         for o in [opt, ref_opt]:
             o.step()
             o.zero_grad()

@@ -116,7 +116,7 @@ def async_worker(rank: int, world: int, plan: int) -> None:
         _grads_match(pm, ref, f"step {step}")
         if step == 1:
             ref_norm = float(nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
-            _close(opt.clip_gnorm(0.05), ref_norm, "clip_gnorm")  # type: ignore[attr-defined]
+            _close(float(opt.clip_gnorm(0.05)), ref_norm, "clip_gnorm")  # type: ignore[attr-defined]
         opt.step()
         opt.zero_grad()
         sync_pm.zero_grad()
