@@ -127,7 +127,10 @@ def _run(name: str, rank: int, tmp: str, args: argparse.Namespace) -> dict[str, 
 def worker(rank: int, tmp: str, args: argparse.Namespace) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
+    if args.cuda:  # untested here (no GPU): one GPU per process, NCCL
+        torch.cuda.set_device(rank)
+    backend = "nccl" if args.cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
     results = [_run(name, rank, tmp, args) for name in args.configs.split(",")]
     with open(os.path.join(tmp, f"result{rank}.json"), "w") as f:
         json.dump(results, f)
@@ -141,7 +144,7 @@ def main() -> None:
     parser.add_argument("--embd", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--block", type=int, default=32)
-    parser.add_argument("--cuda", action="store_true", help="tensors on CUDA (one GPU per process)")
+    parser.add_argument("--cuda", action="store_true", help="tensors on CUDA, NCCL (one GPU per process)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(tmp, args), nprocs=WORLD, join=True)
