@@ -5,9 +5,9 @@ exported program later runs with another sequence length. nnscaler keeps input s
 checks the trace's shape guards at call time (a call that would take another branch is an error), so
 the choice transformers makes in eager mode holds for every call the generated code accepts: no mask
 and `is_causal=True` when nothing is padded, which lets SDPA use its flash / memory-efficient kernels
-on GPU and skip the masked half of the scores. Grouped-query attention is kept as repeated key/value
-heads (transformers' `repeat_kv`) rather than SDPA's `enable_gqa`, so query and key/value heads split
-alike under tensor parallelism.
+on GPU and skip the masked half of the scores. Grouped-query attention keeps SDPA's `enable_gqa` where
+transformers chooses it (no mask): no copies of the key/value heads, and tensor parallelism splits
+by kv-head group (`graph/ops/attention.py`).
 
 Padding masks given as inputs are still traced tensors and still become explicit masks. Packed
 sequences are looked for only in position ids the caller passes (transformers otherwise makes them
@@ -24,10 +24,7 @@ from unittest import mock
 __all__ = ["static_shape_choices"]
 
 # (module, attribute, replacement): each patched only where the installed version has it
-_PATCHES = (
-    ("transformers.masking_utils", "is_torchdynamo_exporting", lambda: False),
-    ("transformers.integrations.sdpa_attention", "use_gqa_in_sdpa", lambda *args, **kwargs: False),
-)
+_PATCHES = (("transformers.masking_utils", "is_torchdynamo_exporting", lambda: False),)
 
 
 @contextmanager
