@@ -12,7 +12,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from nnscaler.graph.ir import ShapeRule, SymExpr, TensorMeta
+from nnscaler.graph.ir import ShapeRule, TensorMeta
+from nnscaler.graph.ir.code_fields import sym_codes
 
 __all__ = [
     "size_check_lines",
@@ -91,22 +92,11 @@ def shape_code(meta: TensorMeta) -> str:
     return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
 
 
-def _sym_codes(obj: Any) -> Iterable[str]:
-    if isinstance(obj, SymExpr):
-        yield obj.code
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _sym_codes(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _sym_codes(x)
-
-
 def sizes_read(objs: Iterable[Any], size_names: dict[str, list]) -> list[str]:
     """The size names the run-time sizes in `objs` (statement args, metas' codes) read, sorted."""
     found = set()
     for obj in objs:
-        codes = [obj] if isinstance(obj, str) else _sym_codes(obj)
+        codes = [obj] if isinstance(obj, str) else sym_codes(obj)
         for code in codes:
             found.update(n for n in _names_in(code) if n in size_names)
     return sorted(found)
@@ -114,4 +104,4 @@ def sizes_read(objs: Iterable[Any], size_names: dict[str, list]) -> list[str]:
 
 def uses_math(objs: Iterable[Any]) -> bool:
     """Whether any run-time size expression calls the math module (ceil, floor, sqrt)."""
-    return any("math." in code for obj in objs for code in _sym_codes(obj))
+    return any("math." in code for obj in objs for code in sym_codes(obj))

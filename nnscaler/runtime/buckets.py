@@ -22,15 +22,37 @@ view of the bucket and `.grad` is None, so only an optimizer that reads `.main_g
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from nnscaler.runtime.comm import _all_gather_single, _reduce_scatter_single
 
-__all__ = ["Bucket", "EMPTY", "LOCAL", "EXPOSED"]
+__all__ = ["Bucket", "EMPTY", "LOCAL", "EXPOSED", "pack_buckets"]
+
+T = TypeVar("T")
+
+
+def pack_buckets(
+    items: Sequence[T], key: Callable[[T], Hashable], nbytes: Callable[[T], int], cap: int
+) -> list[list[T]]:
+    """Group `items` (in order) into buckets of one `key` each holding at most `cap` bytes; an item
+    larger than `cap` gets a bucket of its own. Buckets close as they fill, the rest in key order seen."""
+    open_buckets: dict[Hashable, tuple[list[T], int]] = {}
+    out: list[list[T]] = []
+    for item in items:
+        k, size = key(item), nbytes(item)
+        bucket, used = open_buckets.get(k, ([], 0))
+        if bucket and used + size > cap:
+            out.append(bucket)
+            bucket, used = [], 0
+        bucket.append(item)
+        open_buckets[k] = (bucket, used + size)
+    out.extend(b for b, _ in open_buckets.values() if b)
+    return out
+
 
 EMPTY, LOCAL, EXPOSED = 0, 1, 2
 """Where a parameter's gradient is. EMPTY: not in the bucket (it may be in `.grad`); LOCAL: in the

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from nnscaler.runtime.buckets import Bucket
+from nnscaler.runtime.buckets import Bucket, pack_buckets
 from nnscaler.runtime.groups import create_groups, get_group
 
 __all__ = [
@@ -40,19 +40,7 @@ def make_buckets(params: Sequence[torch.Tensor], cap_mb: float | None) -> list[l
     A parameter larger than the cap gets a bucket of its own; `cap_mb == 0` gives one bucket per tensor.
     """
     cap = int((DEFAULT_BUCKET_CAP_MB if cap_mb is None else cap_mb) * 1024 * 1024)
-    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], int]] = {}
-    buckets: list[list[torch.Tensor]] = []
-    for p in params:
-        key = (p.dtype, p.device)
-        nbytes = p.numel() * p.element_size()
-        bucket, size = open_buckets.get(key, ([], 0))
-        if bucket and size + nbytes > cap:
-            buckets.append(bucket)
-            bucket, size = [], 0
-        bucket.append(p)
-        open_buckets[key] = (bucket, size + nbytes)
-    buckets.extend(b for b, _ in open_buckets.values() if b)
-    return buckets
+    return pack_buckets(params, lambda p: (p.dtype, p.device), lambda p: p.numel() * p.element_size(), cap)
 
 
 def average_gradients(

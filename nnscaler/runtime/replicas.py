@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nnscaler.errors import ConfigError
+from nnscaler.runtime.buckets import pack_buckets
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.shard import shard_slice
@@ -243,20 +244,13 @@ def _load(pm: ParallelModule, tensors: Mapping[str, torch.Tensor]) -> None:
 
 def _buckets(ref: _Manifest, bucket_bytes: int) -> list[list[int]]:
     """Indices into `ref.names` of the tensors to send, in buckets of one dtype and at most bucket_bytes."""
-    open_: dict[str, tuple[list[int], int]] = {}
-    out: list[list[int]] = []
-    for i, (name, shape, dtype) in enumerate(zip(ref.names, ref.shapes, ref.dtypes)):
-        if name in ref.same_as:
-            continue
-        size = math.prod(shape) * getattr(torch, dtype).itemsize
-        bucket, used = open_.get(dtype, ([], 0))
-        if bucket and used + size > bucket_bytes:
-            out.append(bucket)
-            bucket, used = [], 0
-        bucket.append(i)
-        open_[dtype] = (bucket, used + size)
-    out.extend(b for b, _ in open_.values() if b)
-    return out
+    sent = [i for i, name in enumerate(ref.names) if name not in ref.same_as]
+    return pack_buckets(
+        sent,
+        lambda i: ref.dtypes[i],
+        lambda i: math.prod(ref.shapes[i]) * getattr(torch, ref.dtypes[i]).itemsize,
+        bucket_bytes,
+    )
 
 
 def _broadcast_and_load(

@@ -23,7 +23,7 @@ from typing import Any
 from nnscaler.graph.ir.graph import Graph, SymExpr, iter_refs
 from nnscaler.graph.ir.mode import ModeValue
 
-__all__ = ["check_code_fields", "UnsafeGraphError"]
+__all__ = ["check_code_fields", "UnsafeGraphError", "sym_codes"]
 
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 _KINDS = frozenset({"input", "param", "buffer", "activation"})
@@ -94,18 +94,19 @@ def _size_expression_problem(code: Any) -> str | None:
     return None
 
 
-def _sym_codes(obj: Any) -> Iterator[str]:
+def sym_codes(obj: Any) -> Iterator[str]:
+    """The code of every SymExpr in a nested arg structure (ModeValues and containers walked)."""
     if isinstance(obj, SymExpr):
         yield obj.code
     elif isinstance(obj, ModeValue):
-        yield from _sym_codes(obj.train)
-        yield from _sym_codes(obj.eval)
+        yield from sym_codes(obj.train)
+        yield from sym_codes(obj.eval)
     elif isinstance(obj, (list, tuple)):
         for x in obj:
-            yield from _sym_codes(x)
+            yield from sym_codes(x)
     elif isinstance(obj, dict):
         for x in obj.values():
-            yield from _sym_codes(x)
+            yield from sym_codes(x)
 
 
 def _kwarg_names(obj: Any) -> Iterator[Any]:
@@ -154,13 +155,13 @@ def _problems(graph: Graph) -> Iterator[str]:
         for name in _kwarg_names(node.kwargs):
             if not _is_name(name):
                 yield f"node {node.name!r} has keyword argument {name!r}, not a Python identifier"
-        for code in _sym_codes((node.args, node.kwargs)):
+        for code in sym_codes((node.args, node.kwargs)):
             if why := _size_expression_problem(code):
                 yield f"node {node.name!r} has a size expression {code!r} that {why}"
     for rule in graph.shape_rules:
         if why := _size_expression_problem(rule.code):
             yield f"shape rule {rule.code!r} {why}"
-    for code in _sym_codes(graph.outputs):
+    for code in sym_codes(graph.outputs):
         if why := _size_expression_problem(code):
             yield f"an output size expression {code!r} {why}"
     for type_name in _spec_types(graph.out_spec):
