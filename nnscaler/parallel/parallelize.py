@@ -239,6 +239,7 @@ def parallelize(
                 module_fn,
                 module_dtype,
                 save_weights=is_class and init_module_params,
+                require_weights=is_class and init_module_params and load_module,
             )
         except Exception as exc:  # the other ranks hear of it instead of waiting forever
             error = exc
@@ -271,6 +272,7 @@ def _generate(
     module_fn,
     module_dtype,
     save_weights: bool,
+    require_weights: bool = False,
 ) -> dict[str, dict] | None:
     """Rank 0: build the module if given a class, and (re)generate the output directory as `reuse` says.
     Returns the record of the generated files (their sha256), as read while holding the directory's lock."""
@@ -278,6 +280,14 @@ def _generate(
         module = module_fn() if module_fn is not None else module_or_class()
     else:
         module = module_or_class
+    if require_weights and any(p.is_meta for p in module.parameters()):
+        raise ConfigError(
+            f"parallelize was given the class {module_or_class.__qualname__} with init_module_params=True, but "
+            f"{'module_fn' if module_fn is not None else 'its constructor'} builds the model on the meta device: "
+            "there are no initial weights for GenModel(init_params=True) to load, and it would run with "
+            "uninitialised weights. Build the model with real weights, or pass init_module_params=False and load "
+            "a checkpoint into the module with load_merged_state_dict (or load_module=False to only compile)"
+        )
     if module_dtype is not None:
         module = module.to(module_dtype)
     fp = fingerprint(module, dummy_forward_args, pas_policy, cfg, __version__)

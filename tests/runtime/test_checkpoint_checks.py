@@ -308,3 +308,26 @@ def test_compiled_code_names_its_plan(tmp_path: Any) -> None:
     # compiling again, with settings that keep the layout, names the same plan: sharded checkpoints
     # saved before still load
     assert compiled("tp", "again", reducer_bucket_cap_mb=1.0, use_async_reducer=False) == tp
+
+
+def test_class_built_on_meta_refuses_init_params(tmp_path: Any) -> None:
+    from tests import zoo
+
+    real, make_batch = zoo.build("mlp")
+    batch = make_batch(0, 4)
+    kw: dict[str, Any] = {"gen_savedir": tmp_path, "module_fn": lambda: copy.deepcopy(real).to("meta")}
+    with pytest.raises(
+        ConfigError, match=r"module_fn builds the model on the meta device.*init_module_params=False"
+    ):
+        parallelize(type(real), batch, "dp", ComputeConfig(1, 1), instance_name="a", **kw)
+    # compile only, or a promise to load weights later: accepted
+    assert (
+        parallelize(type(real), batch, "dp", ComputeConfig(1, 1), instance_name="b", load_module=False, **kw)
+        is None
+    )
+    gen = parallelize(
+        type(real), batch, "dp", ComputeConfig(1, 1), instance_name="c", init_module_params=False, **kw
+    )
+    pm = gen(init_params=False)
+    load_merged_state_dict(pm, real.state_dict())
+    torch.testing.assert_close(pm(**batch), real(**batch))
