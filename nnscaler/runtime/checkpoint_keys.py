@@ -76,24 +76,23 @@ def _shown(keys: list[str]) -> str:
     return f"{keys[:_SHOWN]}{more}"
 
 
-def _prefix_hint(accepted: set[str], given: Iterable[str]) -> str:
-    """A prefix to strip from (or add to) the given keys that would make them match, if any."""
-    strip: Counter[str] = Counter()
-    add: Counter[str] = Counter()
-    given = list(given)
-    for key in given:
+def _prefixes(keys: Iterable[str], targets: set[str]) -> Counter[str]:
+    """How often each leading part ('module.') of `keys` is all that keeps a key from being in `targets`."""
+    found: Counter[str] = Counter()
+    for key in keys:
         parts = key.split(".")
         for i in range(1, len(parts)):
-            if ".".join(parts[i:]) in accepted:
-                strip[".".join(parts[:i]) + "."] += 1
+            if ".".join(parts[i:]) in targets:
+                found[".".join(parts[:i]) + "."] += 1
                 break
-    given_set = set(given)
-    for name in accepted:
-        parts = name.split(".")
-        for i in range(1, len(parts)):
-            if ".".join(parts[i:]) in given_set:
-                add[".".join(parts[:i]) + "."] += 1
-                break
+    return found
+
+
+def _prefix_hint(accepted: set[str], given: Iterable[str]) -> str:
+    """A prefix to strip from (or add to) the given keys that would make them match, if any."""
+    given = list(given)
+    strip = _prefixes(given, accepted)  # given "module.fc.weight", accepted "fc.weight"
+    add = _prefixes(accepted, set(given))  # given "fc.weight", accepted "body.fc.weight"
     best_strip = strip.most_common(1)[0] if strip else None
     best_add = add.most_common(1)[0] if add else None
     if best_strip is not None and (best_add is None or best_strip[1] >= best_add[1]):
