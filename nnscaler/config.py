@@ -54,8 +54,10 @@ class ComputeConfig:
     and `train_step` is refused (`infer_step` and calling the module work)."""
     use_end2end: bool = False
     """The forward returns the loss first; enables train_step/infer_step and pipelines."""
-    use_async_reducer: bool = False
-    """Overlap gradient reduction with backward."""
+    use_async_reducer: bool = True
+    """Overlap gradient reduction with backward: each bucket's all-reduce (or reduce-scatter) starts as
+    soon as backward has produced all of its gradients. On by default, as in torch DDP (nnScaler v0.8
+    defaults to False); set False to reduce every bucket after backward, in `sync_grad` / the step."""
     reducer_bucket_cap_mb: float | None = None
     """Gradient bucket size in MB (None: the default)."""
     pas_config: dict[str, Any] = field(default_factory=dict)

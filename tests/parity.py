@@ -147,6 +147,17 @@ def train_parallel(
     device = _module_device(pm)
     replica = rank // plan_ngpus
     losses = []
+    launched_in_backward: list[int] = []
+    """End-to-end mode: per train_step, the buckets whose reduction backward launched (overlap)."""
+    if nmicros is not None:
+        sync_grad = pm.sync_grad
+
+        def counting_sync_grad() -> None:
+            red = pm.reducer
+            launched_in_backward.append(sum(b.reduced for b in red.buckets) if red is not None else 0)
+            sync_grad()
+
+        pm.sync_grad = counting_sync_grad  # train_step calls it right after the schedule
     for step in range(steps):
         if nmicros is not None:
             micro = [
@@ -175,7 +186,13 @@ def train_parallel(
             [s for s, _ in states], [o for _, o in states] if merge_optimizer else None
         )
         merged = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in merged.items()}
-    result = {"rank": rank, "replica": replica, "losses": losses, "merged": merged}
+    result = {
+        "rank": rank,
+        "replica": replica,
+        "losses": losses,
+        "merged": merged,
+        "launched_in_backward": launched_in_backward,
+    }
     if merge_optimizer:
         result["merged_optimizer"] = merged_opt
     return result

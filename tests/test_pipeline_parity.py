@@ -63,8 +63,9 @@ def test_end2end_without_pipeline(tmp_path):
 
 def test_pipeline_with_zero_and_sgd(tmp_path):
     """SGD sees the gradient's scale: the sum over micro-batches and the mean over replicas must be
-    right, also with the tied embedding's gradient summed across stages and ZeRO on the replicas."""
-    run_parity(
+    right, also with the tied embedding's gradient summed across stages and ZeRO on the replicas
+    (synchronous reducer: every bucket is reduced after the schedule)."""
+    results = run_parity(
         "gpt",
         "pp",
         2,
@@ -74,5 +75,39 @@ def test_pipeline_with_zero_and_sgd(tmp_path):
         nmicros=2,
         optimizer="sgd",
         atol=1e-6,
-        config_kwargs={"use_end2end": True, "use_zero": True, "pas_config": {"pipeline_nmicros": 2}},
+        config_kwargs={
+            "use_end2end": True,
+            "use_zero": True,
+            "use_async_reducer": False,
+            "pas_config": {"pipeline_nmicros": 2},
+        },
     )
+    assert all(r["launched_in_backward"] == [0, 0] for r in results)
+
+
+@pytest.mark.parametrize("model,scheduler", [("gpt", "1f1b"), ("gpt_deep", "1f1b_interleaved")])
+def test_pipeline_overlaps_last_micro_batch_reduction(model, scheduler, tmp_path):
+    """Default (async) reducer: the schedule runs under no_sync except the last micro-batch's backward,
+    which launches the buckets as they fill (overlapped with the rest of backward and the last sends);
+    gradients still sum over micro-batches and average over replicas exactly (SGD)."""
+    nmicros = 4
+    results = run_parity(
+        model,
+        "pp",
+        2,
+        4,
+        steps=2,
+        tmp_path=tmp_path,
+        nmicros=nmicros,
+        optimizer="sgd",
+        atol=1e-6,
+        config_kwargs={
+            "use_end2end": True,
+            "reducer_bucket_cap_mb": 0.05,
+            "pas_config": {"pipeline_nmicros": nmicros, "pipeline_scheduler": scheduler},
+        },
+    )
+    for r in results:
+        assert len(r["launched_in_backward"]) == 2 and min(r["launched_in_backward"]) > 0, (
+            f"rank {r['rank']}: no bucket reduction was launched during backward: {r['launched_in_backward']}"
+        )

@@ -8,7 +8,8 @@ from tests.parity import run_parity
 
 CASES = {
     "async-buckets": ("tp", 2, 4, dict(use_async_reducer=True, reducer_bucket_cap_mb=0.01)),
-    "zero1-ngroups1": ("dp", 1, 4, dict(use_zero=True, zero_ngroups=1)),
+    "sync-buckets": ("tp", 2, 4, dict(use_async_reducer=False, reducer_bucket_cap_mb=0.01)),
+    "zero1-ngroups1-sync": ("dp", 1, 4, dict(use_zero=True, zero_ngroups=1, use_async_reducer=False)),
     "zero1-ngroups2-async": ("dp", 1, 4, dict(use_zero=True, zero_ngroups=2, use_async_reducer=True)),
     "zero1-reduce-scatter-tp": ("tp", 2, 4, dict(use_zero=True, zero_use_reduce_scatter=True)),
     "zero2-tp": ("tp", 2, 4, dict(use_zero=True, zero_stage=2, reducer_bucket_cap_mb=0.01)),

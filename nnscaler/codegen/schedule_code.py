@@ -32,7 +32,7 @@ def _backward_lines(a: Action, nstages: int, rank_of: Callable[[int], int]) -> l
     lines = [f"# backward: stage {s}, micro-batch {m}"]
     if s + 1 < nstages:
         lines.append(f"g = pipe.recv_backward({s}, {m}, src={rank_of(s + 1)})  # gradients of the outputs")
-        lines.append(f"pipe.backward(y.pop(({s}, {m})), g)")
+        lines.append(f"pipe.backward(y.pop(({s}, {m})), g, {m})")
     else:
         lines.append(f"pipe.backward_loss(y.pop(({s}, {m})), {m})")
     if s > 0:

@@ -541,6 +541,21 @@ class ParallelModule(EndToEndMixin, nn.Module):
             if red is not None:
                 red.enabled = old
 
+    @contextmanager
+    def reducing(self) -> Iterator[None]:
+        """Inside (even within `no_sync`): backward launches each bucket's reduction as soon as it is
+        full. `train_step` uses it for the last micro-batch, so its reductions overlap its backward."""
+        red = self._ensure_reducer()
+        if red is None:
+            yield
+            return
+        old = red.enabled, red.settle_after_backward
+        red.enabled, red.settle_after_backward = True, False  # the step's final sync_grad waits
+        try:
+            yield
+        finally:
+            red.enabled, red.settle_after_backward = old
+
     def sync_grad(self) -> None:
         """Average gradients over the data-parallel group ("dp"): wait for the reductions the backward
         hooks launched (`use_async_reducer`) and reduce the remaining buckets."""

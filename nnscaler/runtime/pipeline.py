@@ -15,6 +15,7 @@ later sends. `NNSCALER_STRICT_P2P=1` checks the order on gloo (nnscaler/runtime/
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,11 +200,22 @@ class PipelineStep:
         self._send(grads, dst, stage, True, micro)
 
     # ---- compute ---------------------------------------------------------------------------------
-    def backward(self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-        """Backward through one stage from the gradients of its outputs."""
+    def _reducing(self, micro: int | None) -> AbstractContextManager[None]:
+        """The last micro-batch's backward launches the gradient reductions as buckets fill, overlapping
+        them with the rest of backward (and the pipeline's last sends); earlier ones only accumulate.
+        Every schedule runs each stage's backwards in micro-batch order, so that is its last backward."""
+        if self.train and micro == self.nmicros - 1 and hasattr(self.model, "reducing"):
+            return self.model.reducing()
+        return nullcontext()
+
+    def backward(
+        self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], micro: int | None = None
+    ) -> None:
+        """Backward through one stage from the gradients of its outputs (for micro-batch `micro`)."""
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            with self._reducing(micro):
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
     def loss(self, outputs: Sequence[torch.Tensor], micro: int) -> torch.Tensor:
         """The last stage's first output is the micro-batch's loss."""
@@ -218,7 +230,8 @@ class PipelineStep:
             loss = self.scale_fn(loss)
         if self.dummy[micro]:
             loss = loss * 0.0
-        loss.backward()
+        with self._reducing(micro):
+            loss.backward()
 
     # ---- end of step ---------------------------------------------------------------------------------
     def finish(self) -> list[torch.Tensor]:

@@ -155,8 +155,10 @@ class Reducer:
     Buckets take parameters in reverse registration order (roughly the order backward produces
     gradients), up to `bucket_cap_mb` each. With `async_op`, a post-accumulate-grad hook moves each
     gradient into its bucket and launches the bucket's collective as soon as all of its gradients are
-    in, overlapping communication with the rest of backward; `sync` waits for them (and reduces what
-    is left). Without it, `sync` reduces every bucket (all launched, then all waited for).
+    in, overlapping communication with the rest of backward; at the end of the backward pass it waits
+    for them and exposes the averaged gradients as `.grad` (as torch DDP; `settle_after_backward`), and
+    `sync` reduces what is left. Without it, `sync` reduces every bucket (all launched, then all
+    waited for) and `.grad` holds the local gradients until then.
 
     ZeRO (`zero_group` of S > 1 ranks, a consecutive part of the data-parallel group): every bucket
     is padded to a multiple of S, and rank i of the ZeRO group owns the i-th S-th of each. The
@@ -207,6 +209,10 @@ class Reducer:
         self.async_op = async_op or self.stage >= 2
         self.enabled = True
         """False inside `no_sync`: hooks collect gradients but launch nothing."""
+        self.settle_after_backward = True
+        """Async: at the end of each backward pass (outside `no_sync`) wait for the reductions it
+        launched and expose the averaged gradients as `.grad`, as torch DDP does; `train_step` turns it
+        off (the schedule's later work overlaps them; its final `sync` waits)."""
         self._in_pass = False
         self._queue: list[Bucket] = []
         """Buckets launched and not yet taken in, in launch order."""
@@ -312,7 +318,7 @@ class Reducer:
             self._drain(until=bucket)
         if not self._in_pass:
             self._in_pass = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if bucket.accept(i) and self.enabled:
             self._launch(bucket)
             if self.stage >= 2:
@@ -323,6 +329,19 @@ class Reducer:
         for bucket in self.buckets:
             bucket.arrived = [False] * len(bucket.params)
             bucket.narrived = 0
+
+    @torch.no_grad()
+    def _end_backward(self) -> None:
+        """End of a backward pass (an autograd callback). With `settle_after_backward`, outside
+        `no_sync`, under all-reduce: wait for the buckets this pass launched (in launch order) and make
+        `.grad` their averaged values, so code between backward and the step sees synced gradients."""
+        self._end_pass()
+        if not (self.enabled and self.settle_after_backward and self._queue) or self.scatter:
+            return
+        launched = list(self._queue)
+        self._drain(until=launched[-1])
+        for bucket in launched:
+            bucket.expose()
 
     # ---- synchronisation -----------------------------------------------------------------------------
 

@@ -189,6 +189,7 @@ class Zero3Reducer(Reducer):
         self.zero_group, self.cross_group = zero_group, cross_group
         self.zero, self.stage, self.scatter, self.async_op = True, 3, True, True
         self.enabled = True
+        self.settle_after_backward = False  # reduce-scatter: gradients are slices, never `.grad`
         self._in_pass = False
         self._queue: list[Bucket] = []
         nshards, index = dist.get_world_size(zero_group), dist.get_rank(zero_group)

@@ -97,7 +97,13 @@ def async_worker(rank: int, world: int, plan: int) -> None:
         ComputeConfig(plan, world, use_async_reducer=True, reducer_bucket_cap_mb=TINY_MB),
         full,
     )
-    sync_pm = _gen(rank, world, plan, ComputeConfig(plan, world, reducer_bucket_cap_mb=TINY_MB), full)
+    sync_pm = _gen(
+        rank,
+        world,
+        plan,
+        ComputeConfig(plan, world, use_async_reducer=False, reducer_bucket_cap_mb=TINY_MB),
+        full,
+    )
     opt = build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=0.1)
     rows = _rows(rank, world, plan)
     for step in range(3):
@@ -106,13 +112,18 @@ def async_worker(rank: int, world: int, plan: int) -> None:
         red = pm.reducer
         assert red is not None and red.async_op and len(red.buckets) >= 5, "expected many buckets"
         assert all(b.reduced for b in red.buckets), "every bucket is launched during backward"
-        assert all(p.grad is None for p in red.params), "gradients moved into the buckets"
+        # as torch DDP: the end of backward waits for the reductions and `.grad` is the averaged
+        # gradient, a view of its bucket (no sync_grad needed before reading it)
+        for bucket in red.buckets:
+            for p, view in zip(bucket.params, bucket.views):
+                assert p.grad is not None and p.grad.data_ptr() == view.data_ptr(), "grad is its bucket view"
+        ref(x, t).backward()
+        _grads_match(pm, ref, f"step {step}, right after backward")
         sync_pm(x[rows], t[rows]).backward()
         pm.sync_grad()
         sync_pm.sync_grad()
         for (name, a), b in zip(pm.named_parameters(), sync_pm.parameters()):
             assert torch.equal(a.grad, b.grad), f"async != sync for {name} at step {step}"
-        ref(x, t).backward()
         _grads_match(pm, ref, f"step {step}")
         if step == 1:
             ref_norm = float(nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
