@@ -1,0 +1,198 @@
+"""Trainer checkpoints on disk: atomic directories, `last` / `best` pointers, pruning, loading.
+
+Layout under `save_dir` (nnScaler's): `{epoch:04d}-{step:04d}/{rank}.ckpt` (sharded, deduped) or
+`.../merged.ckpt` (merged), plus `last` and `best` (relative symlinks, or copies). Each directory
+ends with `complete.json` (save type, world size, the plan of each rank), written last.
+
+Atomicity: every rank writes its file into `.tmp-{name}/` (temporary file, fsync, rename); after a
+barrier rank 0 writes `complete.json`, fsyncs, renames the directory to `{name}` and only then
+repoints `last` (a new symlink renamed over the old one). A process killed at any point leaves the
+previous checkpoint and `last` intact; stale `.tmp-*` directories are removed by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nnscaler.errors import CheckpointError
+
+__all__ = [
+    "COMPLETE_FILE",
+    "MERGED_FILE",
+    "rank_file",
+    "write_checkpoint_dir",
+    "checkpoint_info",
+    "resolve_checkpoint",
+    "point",
+    "prune",
+    "step_dirs",
+    "barrier",
+    "atomic_torch_save",
+]
+
+COMPLETE_FILE = "complete.json"
+MERGED_FILE = "merged.ckpt"
+
+
+def rank_file(directory: Path, rank: int) -> Path:
+    return Path(directory) / f"{rank}.ckpt"
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, obj: Any) -> None:
+    """torch.save into an open file and fsync it (tests replace this to crash mid-write)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """torch.save to `path` through a temporary file: `path` is either absent, old, or complete."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        _write_file(tmp, obj)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def write_checkpoint_dir(
+    save_dir: Path,
+    name: str,
+    rank: int,
+    files: dict[str, Any],
+    info: dict[str, Any],
+) -> Path:
+    """Write this rank's `files` (file name -> object) into `save_dir/name` atomically (all ranks
+    call it; rank 0 finishes the directory). Returns the final directory."""
+    save_dir = Path(save_dir)
+    final = save_dir / name
+    tmp = save_dir / f".tmp-{name}"
+    if rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        for stale in save_dir.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    barrier()
+    for file_name, obj in files.items():
+        atomic_torch_save(obj, tmp / file_name)
+    barrier()
+    if rank == 0:
+        (tmp / COMPLETE_FILE).write_text(json.dumps(info, indent=1, sort_keys=True))
+        _fsync_dir(tmp)
+        if final.exists() or final.is_symlink():
+            old = save_dir / f".tmp-old-{name}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(save_dir)
+    barrier()
+    return final
+
+
+def point(save_dir: Path, pointer: str, target: Path, symlink: bool = True) -> None:
+    """Make `save_dir/pointer` (`last`, `best`) refer to checkpoint directory `target` (rank 0 only),
+    replacing the old pointer only once the new one is complete."""
+    save_dir = Path(save_dir)
+    link = save_dir / pointer
+    tmp = save_dir / f".tmp-{pointer}"
+    if tmp.is_symlink() or tmp.is_file():
+        tmp.unlink()
+    elif tmp.exists():
+        shutil.rmtree(tmp)
+    if symlink:
+        os.symlink(os.path.relpath(target, save_dir), tmp)
+        os.replace(tmp, link)
+    else:
+        shutil.copytree(target, tmp)
+        _fsync_dir(tmp)
+        if link.exists() and not link.is_symlink():
+            old = save_dir / f".tmp-old-{pointer}"
+            os.replace(link, old)
+            os.replace(tmp, link)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, link)
+    _fsync_dir(save_dir)
+
+
+def step_dirs(save_dir: Path) -> list[Path]:
+    """The complete `{epoch}-{step}` checkpoint directories, oldest first (by step)."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    found = []
+    for d in save_dir.iterdir():
+        parts = d.name.split("-")
+        if len(parts) == 2 and all(p.isdigit() for p in parts) and (d / COMPLETE_FILE).exists():
+            found.append((int(parts[1]), int(parts[0]), d))
+    return [d for *_, d in sorted(found)]
+
+
+def prune(save_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` step checkpoints, never one that `last` or `best` points to."""
+    save_dir = Path(save_dir)
+    pinned = {(save_dir / p).resolve() for p in ("last", "best") if (save_dir / p).is_symlink()}
+    dirs = step_dirs(save_dir)
+    for d in dirs[: max(0, len(dirs) - keep)]:
+        if d.resolve() not in pinned:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A complete checkpoint directory (or merged file) at `path`; CheckpointError naming the path otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.is_file():
+        return path
+    if not (path / COMPLETE_FILE).exists():
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (no {COMPLETE_FILE}: its write was interrupted); "
+            "resume from an earlier checkpoint"
+        )
+    return path
+
+
+def checkpoint_info(path: Path) -> dict[str, Any]:
+    """The `complete.json` of a checkpoint directory ({} for a single merged file)."""
+    path = Path(path)
+    if path.is_file():
+        return {"save_type": "merged", "files": [path.name]}
+    return json.loads((path / COMPLETE_FILE).read_text())
+
+
+def load_file(path: Path, convert_fn: Callable[[dict], dict] | None = None) -> dict[str, Any]:
+    """torch.load a checkpoint file (weights_only=False: the file holds train args and RNG states)."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing") from None
+    except Exception as err:
+        raise CheckpointError(f"checkpoint file {path} cannot be read: {err}") from err
+    return convert_fn(data) if convert_fn is not None else data

@@ -1,0 +1,236 @@
+"""Saving the trainer's state into checkpoints and resuming from them, under the same plan or another.
+
+What a checkpoint holds per rank (`{rank}.ckpt`): `model` and `optimizer` state dicts (this rank's
+pieces; deduped ones drop replicated tensors), `lr_scheduler`, `train_status` (next epoch, micro-batch
+position within it, step, best loss), `rng_states`, `train_args`, `rank`, `world_size`, `plan`, and
+the nnscaler `version`. A merged checkpoint (`merged.ckpt`) holds the single-device `model` and
+`optimizer` state dicts and the per-rank `rng_states` list.
+
+Resuming under the same plan and world size loads each rank's own file. Otherwise (another plan,
+policy or GPU count) the saved ranks' state dicts are merged into single-device ones
+(`merge_state_dicts`) and each rank takes its shards (`load_merged_state_dict`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from nnscaler.cli import checkpoint as ck
+from nnscaler.errors import CheckpointError
+from nnscaler.runtime import (
+    deduped_state_dict,
+    load_deduped_state_dict,
+    load_merged_state_dict,
+    load_sharded_state_dict,
+    merge_state_dicts,
+)
+from nnscaler.version import __version__
+
+if TYPE_CHECKING:
+    from nnscaler.cli.trainer import Trainer
+
+__all__ = ["save", "resume", "merge_checkpoint", "read_merged"]
+
+logger = logging.getLogger(__name__)
+
+
+def _common(trainer: Trainer) -> dict[str, Any]:
+    from nnscaler.cli.trainer import rng_states
+
+    return {
+        "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
+        "train_status": dict(trainer.train_status),
+        "rng_states": rng_states(),
+        "train_args": trainer.train_args.to_dict(),
+        "rank": trainer.rank,
+        "world_size": trainer.world_size,
+        "plan": trainer.model.plan_id,
+        "version": __version__,
+    }
+
+
+def _gather(obj: Any, world_size: int) -> list[Any] | None:
+    """Every rank's `obj` on rank 0 (None elsewhere)."""
+    if world_size == 1:
+        return [obj]
+    out: list[Any] | None = [None] * world_size if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def save(trainer: Trainer, epoch: int) -> Path | None:
+    """Write a checkpoint of the trainer's current state (every rank calls it)."""
+    cfg = trainer.train_args.checkpoint
+    status = trainer.train_status
+    if cfg.no_save:
+        return None
+    name = f"{epoch:04d}-{status['step']:04d}"
+    val = trainer.last_val_loss
+    loss = val if val is not None else (trainer.losses[-1] if trainer.losses else None)
+    is_best = loss is not None and loss < status["best_loss"]
+    if is_best:
+        status["best_loss"] = loss
+    common = _common(trainer)
+    model, opt = trainer.model, trainer.optimizer
+    if cfg.save_type == "merged":
+        pieces = _gather((model.state_dict(), opt.state_dict(), common), trainer.world_size)
+        files = {}
+        if pieces is not None:
+            merged_model, merged_opt = merge_state_dicts([p[0] for p in pieces], [p[1] for p in pieces])
+            files = {
+                ck.MERGED_FILE: {
+                    **pieces[0][2],
+                    "model": merged_model,
+                    "optimizer": merged_opt,
+                    "rng_states": [p[2]["rng_states"] for p in pieces],
+                }
+            }
+    else:
+        if cfg.save_type == "deduped":
+            model_sd, opt_sd = deduped_state_dict(model, opt)
+        else:
+            model_sd, opt_sd = model.state_dict(), opt.state_dict()
+        files = {
+            ck.rank_file(Path("."), trainer.rank).name: {**common, "model": model_sd, "optimizer": opt_sd}
+        }
+    for payload in files.values():
+        trainer.hook.on_save_checkpoint(trainer, payload)
+    plans = _gather(model.plan_id, trainer.world_size)
+    info = {
+        "save_type": cfg.save_type,
+        "world_size": trainer.world_size,
+        "plans": plans,
+        "plan_ngpus": trainer.train_args.compute_config.plan_ngpus,
+        "step": status["step"],
+        "epoch": epoch,
+        "loss": loss,
+    }
+    save_dir = Path(cfg.save_dir)
+    final = ck.write_checkpoint_dir(save_dir, name, trainer.rank, files, info)
+    if trainer.rank == 0:
+        if cfg.save_last:
+            ck.point(save_dir, "last", final, cfg.symlink_best_and_last)
+        if cfg.save_best and is_best:
+            ck.point(save_dir, "best", final, cfg.symlink_best_and_last)
+        if cfg.keep_last_n_checkpoints:
+            ck.prune(save_dir, cfg.keep_last_n_checkpoints)
+    ck.barrier()
+    trainer._saved_step = status["step"]
+    return final
+
+
+def read_merged(path: Path, convert_fn: Any = None) -> dict[str, Any]:
+    """A checkpoint (directory of any save type, or merged file) as one dict with single-device
+    `model` / `optimizer` state dicts; the other entries come from rank 0's file."""
+    path = ck.resolve_checkpoint(path)
+    if path.is_file():
+        return ck.load_file(path, convert_fn)
+    info = ck.checkpoint_info(path)
+    if info["save_type"] == "merged":
+        return ck.load_file(path / ck.MERGED_FILE, convert_fn)
+    datas = [ck.load_file(ck.rank_file(path, r), convert_fn) for r in range(info["world_size"])]
+    try:
+        model_sd, opt_sd = merge_state_dicts(
+            [d["model"] for d in datas if d["model"]], [d["optimizer"] for d in datas if d["model"]]
+        )
+    except (CheckpointError, ValueError, KeyError) as err:
+        raise CheckpointError(f"checkpoint {path}: its ranks' state dicts cannot be merged: {err}") from err
+    return {
+        **datas[0],
+        "model": model_sd,
+        "optimizer": opt_sd,
+        "rng_states": [d["rng_states"] for d in datas],
+    }
+
+
+def resume(trainer: Trainer) -> None:
+    """Load the checkpoint that `checkpoint.resume_from` names, if any (every rank calls it)."""
+    cfg = trainer.train_args.checkpoint
+    path = cfg.get_resume_checkpoint()
+    if path is None:
+        if cfg.resume_from and cfg.resume_from.checkpoint in ("last", "best"):
+            logger.info(
+                "no %s checkpoint under %s: training from scratch", cfg.resume_from.checkpoint, cfg.save_dir
+            )
+        return
+    path = ck.resolve_checkpoint(path)
+    opts = cfg.resume_from
+    convert = None
+    if opts.convert_fn:
+        from nnscaler.cli.loading import load_type
+
+        convert = load_type(opts.convert_fn)
+    info = ck.checkpoint_info(path)
+    same_plan = (
+        info["save_type"] in ("sharded", "deduped")
+        and info.get("world_size") == trainer.world_size
+        and (info.get("plans") or [None])[trainer.rank % len(info.get("plans") or [None])]
+        == trainer.model.plan_id
+        and not opts.with_merged
+    )
+    model, opt = trainer.model, trainer.optimizer
+    if same_plan:
+        data = ck.load_file(ck.rank_file(path, trainer.rank), convert)
+        trainer.hook.on_load_checkpoint(trainer, data)
+        try:
+            if info["save_type"] == "deduped":
+                load_deduped_state_dict(model, data["model"], opt, data["optimizer"])
+            else:
+                load_sharded_state_dict(model, data["model"], opt, data["optimizer"])
+        except (CheckpointError, ValueError, RuntimeError, KeyError) as err:
+            raise CheckpointError(f"checkpoint {path} does not fit this model: {err}") from err
+        rng = data["rng_states"]
+    else:
+        data = read_merged(path, convert)
+        trainer.hook.on_load_checkpoint(trainer, data)
+        try:
+            load_merged_state_dict(model, data["model"], opt, data["optimizer"])
+        except (CheckpointError, ValueError, RuntimeError, KeyError) as err:
+            raise CheckpointError(f"checkpoint {path} does not fit this model: {err}") from err
+        states = data["rng_states"]
+        rng = states[trainer.rank] if trainer.rank < len(states) else states[0]
+    if trainer.lr_scheduler is not None and data.get("lr_scheduler") is not None:
+        trainer.lr_scheduler.load_state_dict(data["lr_scheduler"])
+    trainer.train_status.update(data["train_status"])
+    trainer.pending_rng = rng
+    trainer._saved_step = trainer.train_status["step"]
+    trainer.hook.after_load_checkpoint(trainer, data)
+    if trainer.rank == 0:
+        logger.info("resumed from %s at step %d", path, trainer.train_status["step"])
+
+
+def merge_checkpoint(checkpoint_files: list[str] | str, output_file: str) -> None:
+    """Merge a checkpoint (its directory, one of its files, or its per-rank files) into `output_file`:
+    `.safetensors` gets the model weights; any other name a torch file with model and optimizer."""
+    if isinstance(checkpoint_files, (str, Path)):
+        checkpoint_files = [checkpoint_files]
+    first = Path(checkpoint_files[0])
+    directory = first if first.is_dir() else first.parent
+    merged = read_merged(directory)
+    out = Path(output_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        weights = {
+            k: v.detach().contiguous() for k, v in merged["model"].items() if isinstance(v, torch.Tensor)
+        }
+        save_file(_untie(weights), str(out))
+    else:
+        ck.atomic_torch_save(merged, out)
+
+
+def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing memory (tied weights): give each its own copy."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in weights.items():
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out

@@ -1,0 +1,387 @@
+"""`Trainer`: parallelize a model from `TrainerArgs` and train it (nnScaler's CLI trainer).
+
+    Trainer(["-f", "cfg.yaml", "--max_train_steps", "10"]).run()
+    Trainer(train_args=TrainerArgs(...)).run()
+
+Setup: process group (under torchrun) -> seeds and init_env_fn -> a dummy sample (the first
+training micro-batch) -> `parallelize` -> data loaders (each data-parallel replica reads its own
+share; the ranks of one replica read the same) -> optimizer, LR scheduler, loggers, hook -> resume.
+Each optimizer step runs `train_step` over `grad_accumulation_steps` micro-batches; gradients are
+the mean over the global batch (`optimizer.grad_reduction: mean`), or the sum.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nnscaler.cli import resume as _resume
+from nnscaler.cli.loading import load_type
+from nnscaler.cli.progress import Progress
+from nnscaler.cli.trainer_args import TrainerArgs
+from nnscaler.errors import ConfigError
+from nnscaler.parallel import parallelize
+from nnscaler.runtime import init as nnscaler_init
+
+__all__ = ["Trainer", "TrainStatus"]
+
+logger = logging.getLogger(__name__)
+
+
+class TrainStatus(dict):
+    """Counters saved in checkpoints: next_epoch, next_batch (micro-batches of that epoch already
+    consumed per replica), step (optimizer steps done), best_loss."""
+
+
+def _to_device(value: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    if isinstance(value, dict):
+        return {k: _to_device(v, device, dtype) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device, dtype) for v in value)
+    if isinstance(value, torch.Tensor):
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        return value.to(device)
+    return value
+
+
+class _SkippingSampler(torch.utils.data.Sampler):
+    """Wraps a sampler so that the next iteration starts `skip` indices in (resuming mid-epoch)."""
+
+    def __init__(self, sampler: Any):
+        self.sampler, self.skip = sampler, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        it = iter(self.sampler)
+        for _ in range(skip):
+            next(it, None)
+        return it
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def rng_states() -> dict[str, Any]:
+    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["random"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+class Trainer:
+    """Trains `TrainerArgs`'s model; `argv` is the command line (`-f cfg.yaml --a.b v ...`)."""
+
+    def __init__(self, argv: list[str] | None = None, *, train_args: TrainerArgs | dict | None = None):
+        if train_args is None:
+            train_args = TrainerArgs.from_cli(sys.argv[1:] if argv is None else argv)
+        elif isinstance(train_args, dict):
+            train_args = TrainerArgs.from_dict(train_args)
+        elif argv:
+            raise ConfigError("Trainer: give argv or train_args, not both")
+        self.train_args: TrainerArgs = train_args
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.lr_scheduler: Any = None
+        self.loggers: list[Any] = []
+        self.hook: Any = None
+        self.train_status = TrainStatus(next_epoch=0, next_batch=0, step=0, best_loss=math.inf)
+        self.rank, self.world_size = 0, 1
+        self.pending_rng: dict[str, Any] | None = None
+        self._saved_step = -1
+        self.last_val_loss: float | None = None
+        self.losses: list[float] = []
+        """The aggregated loss of each optimizer step of this run (every rank)."""
+
+    # ---- setup ----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Set up (compile), then train unless run_mode is 'compile'."""
+        try:
+            self._setup()
+            if self.train_args.compile_mode:
+                return
+            self._train()
+        finally:
+            self._finalize()
+
+    def _setup(self) -> None:
+        args = self.train_args
+        if not args.compile_mode:
+            nnscaler_init()
+        if dist.is_available() and dist.is_initialized():
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        cc = args.compute_config
+        if not args.compile_mode and self.world_size != cc.runtime_ngpus:
+            raise ConfigError(
+                f"compute_config.runtime_ngpus is {cc.runtime_ngpus} but {self.world_size} processes run: start "
+                f"{cc.runtime_ngpus} (torchrun --nproc_per_node {cc.runtime_ngpus}) or set runtime_ngpus"
+            )
+        if args.model.parallel_modules:
+            raise ConfigError(
+                "model.parallel_modules is not supported by this trainer yet: parallelize the whole model"
+            )
+        args.init_env(self)
+        self.train_dataset = args.create_dataset("train")
+        dummy = self._dummy_sample()
+        model = args.create_model()
+        self.model = parallelize(
+            model,
+            dummy,
+            args.resolved_pas_policy,
+            cc,
+            gen_savedir=args.gen_savedir,
+            reuse=args.gen_reuse,
+            instance_name=args.instance_name,
+            load_module=not args.compile_mode,
+            module_dtype=args.param_dtype,
+            broadcast_strategy=args.broadcast_strategy if not args.compile_mode else "none",
+        )
+        if args.compile_mode:
+            if self.rank == 0:
+                print(f"nnscaler-train: generated code for {cc.runtime_ngpus} ranks under {args.gen_savedir}")
+            return
+        self.device = self.model.device
+        if self.model.use_scheduler and self.model.nmicros_per_scheduler_step != args.update_freq:
+            raise ConfigError(
+                f"grad_accumulation_steps ({args.update_freq}) must equal compute_config.pas_config.pipeline_nmicros "
+                f"({self.model.nmicros_per_scheduler_step}): a pipelined train_step takes that many micro-batches"
+            )
+        self.replica, self.num_replicas = self.rank // cc.plan_ngpus, args.scaling_factor
+        self.loaders = {}
+        for stage in ("train", "val"):
+            ds = self.train_dataset if stage == "train" else args.create_dataset(stage)
+            if ds is None:
+                continue
+            sampler = args.create_sampler(ds, stage, self.num_replicas, self.replica)
+            sampler = _SkippingSampler(sampler) if sampler is not None else None
+            self.loaders[stage] = (args.create_dataloader(stage, ds, sampler), sampler)
+        self.optimizer = args.create_parallel_optimizer(self.model)
+        self.lr_scheduler = args.create_lr_scheduler(self.optimizer)
+        self.hook = args.create_hook()
+        if self.rank == 0:
+            self.loggers = args.create_loggers()
+            for lg in self.loggers:
+                lg.setup(args.to_dict())
+        _resume.resume(self)
+        self.hook.after_setup(self)
+
+    def _dummy_sample(self) -> dict[str, Any]:
+        args = self.train_args
+        if fn := args.resolved_dummy_sample_gen_fn:
+            sample = fn(args)
+        else:
+            kwargs = dict(args.create_kwarg(args.dataloader.train_args))
+            collate = kwargs.get("collate_fn")
+            loader = torch.utils.data.DataLoader(
+                self.train_dataset,
+                batch_size=args.micro_batch_size,
+                collate_fn=load_type(collate) if isinstance(collate, str) else collate,
+            )
+            sample = next(iter(loader), None)
+            if sample is None:
+                raise ConfigError(f"dataset.train_args: the training dataset {args.dataset.type} is empty")
+        if not isinstance(sample, dict):
+            raise ConfigError(
+                f"a training sample must be a dict of the model's forward arguments, got {type(sample).__name__}; "
+                "make the dataset (or dataloader collate_fn) return dicts"
+            )
+        return _to_device(sample, torch.device("cpu"), args.input_dtype)
+
+    def _finalize(self) -> None:
+        if self.hook is not None:
+            self.hook.on_finalize(self)
+        for lg in self.loggers:
+            lg.finalize()
+
+    # ---- training -------------------------------------------------------------------------------
+
+    def _micro_chunks(self, stage: str):
+        """Lists of micro-batches, `update_freq` each (a shorter last one unless pipelined)."""
+        loader, _ = self.loaders[stage]
+        it = iter(loader)
+        if self.pending_rng is not None:  # after the iterator took its seed, as the saved run did
+            set_rng_states(self.pending_rng)
+            self.pending_rng = None
+        n = self.train_args.update_freq
+        chunk: list[Any] = []
+        for batch in it:
+            chunk.append(_to_device(batch, self.device, self.train_args.input_dtype))
+            if len(chunk) == n:
+                yield chunk
+                chunk = []
+        if chunk and not self.model.use_scheduler:
+            yield chunk
+
+    def _batches_per_epoch(self) -> int:
+        """Micro-batches one replica runs in an epoch (a pipeline drops an incomplete last step)."""
+        n = len(self.loaders["train"][0])
+        return n - n % self.train_args.update_freq if self.model.use_scheduler else n
+
+    def _aggregate(self, losses: list[torch.Tensor]) -> tuple[float, int]:
+        """Sum of the micro-batch losses over every replica, and how many there were."""
+        total = torch.stack([loss.detach().reshape(()) for loss in losses]).to(torch.float64).sum()
+        count = torch.tensor(float(len(losses)), dtype=torch.float64, device=total.device)
+        both = torch.stack([total, count])
+        if self.world_size > 1:
+            dist.all_reduce(both)
+            both /= self.train_args.compute_config.plan_ngpus  # every rank of a replica holds its losses
+        return float(both[0]), round(float(both[1]))
+
+    def _train(self) -> None:
+        args, status = self.train_args, self.train_status
+        max_epochs = args.max_epochs or sys.maxsize
+        steps_per_epoch = math.ceil(len(self.loaders["train"][0]) / args.update_freq)
+        total = args.max_train_steps or steps_per_epoch * max_epochs
+        if args.max_epochs and args.max_train_steps:
+            total = min(total, steps_per_epoch * args.max_epochs)
+        self.progress = Progress(args, total, self.rank == 0, initial=status["step"])
+        self.hook.on_train_start(self)
+        done = status["step"] >= total
+        while not done and status["next_epoch"] < max_epochs:
+            epoch = status["next_epoch"]
+            loader, sampler = self.loaders["train"]
+            if sampler is not None:
+                sampler.set_epoch(epoch)
+                sampler.skip = status["next_batch"] * args.micro_batch_size
+            self.hook.on_epoch_start(self, epoch)
+            idx = status["next_batch"] // args.update_freq
+            for chunk in self._micro_chunks("train"):
+                self._train_step(epoch, idx, chunk)
+                idx += 1
+                done = status["step"] >= total
+                if args.val_every_n_train_steps and status["step"] % args.val_every_n_train_steps == 0:
+                    self._validate()
+                ckpt = args.checkpoint
+                if ckpt.every_n_train_steps and status["step"] % ckpt.every_n_train_steps == 0:
+                    _resume.save(self, epoch)
+                if done and status["next_batch"] < self._batches_per_epoch():
+                    break
+            else:
+                status["next_epoch"], status["next_batch"] = epoch + 1, 0
+                if self.lr_scheduler is not None and args.lr_scheduler.interval == "epoch":
+                    self.lr_scheduler.step()
+                self.hook.on_epoch_end(self, epoch)
+                if args.val_every_n_epochs and (epoch + 1) % args.val_every_n_epochs == 0:
+                    self._validate()
+                every = args.checkpoint.every_n_epochs
+                if every and (epoch + 1) % every == 0:
+                    _resume.save(self, epoch)
+                done = done or status["next_epoch"] >= max_epochs
+            if done and self._saved_step != status["step"]:
+                _resume.save(self, epoch)  # the final state
+        self.progress.close()
+        self.hook.on_train_end(self)
+
+    def _train_step(self, epoch: int, idx: int, chunk: list[Any]) -> None:
+        args, status, hook, opt = self.train_args, self.train_status, self.hook, self.optimizer
+        t0 = time.perf_counter()
+        hook.on_step_start(self, epoch, idx)
+        hook.on_train_step_start(self, chunk)
+        n = len(chunk)
+        reduction = args.optimizer.grad_reduction
+        scale = {"mean": 1.0 / n, "sum": float(args.scaling_factor)}.get(reduction)
+        losses = self.model.train_step(
+            chunk, scale_fn=(lambda loss: loss * scale) if scale is not None else None
+        )
+        hook.on_train_step_end(self, losses)
+        loss_sum, count = self._aggregate(losses)
+        loss = loss_sum / count if args.optimizer.loss_reduction != "sum" else loss_sum
+        hook.after_aggregate_train_step_outputs(self, None, loss)
+        hook.before_sync_grad(self)
+        if reduction == "per-token-mean":
+            raise ConfigError(
+                "optimizer.grad_reduction 'per-token-mean' is not supported by this trainer yet"
+            )
+        hook.after_sync_grad(self)
+        hook.before_gnorm_clip(self)
+        clip = args.optimizer.clip_gnorm or None
+        gnorm = opt.clip_gnorm(clip) if hasattr(opt, "clip_gnorm") else self.model.clip_gnorm(clip)
+        hook.after_gnorm_clip(self, gnorm)
+        hook.before_optimizer_step(self)
+        opt.step()
+        hook.after_optimizer_step(self)
+        if self.lr_scheduler is not None and args.lr_scheduler.interval == "step":
+            self.lr_scheduler.step()
+        hook.before_zero_grad(self)
+        opt.zero_grad()
+        hook.after_zero_grad(self)
+        status["step"] += 1
+        status["next_batch"] += n
+        self.losses.append(loss)
+        wall = time.perf_counter() - t0
+        metrics = {
+            "train/loss": loss,
+            "train/lr": opt.param_groups[0]["lr"],
+            "train/gnorm": float(gnorm),
+            "train/epoch": epoch,
+            "train/step_time": wall,
+            "train/samples_per_sec": count * args.micro_batch_size / max(wall, 1e-9),
+        }
+        hook.before_log_train_metrics(self, metrics, None)
+        self.log_metrics(metrics, status["step"])
+        self.progress.update(status["step"], loss, metrics["train/samples_per_sec"])
+        hook.on_step_end(self, epoch, idx, metrics, None)
+
+    def _validate(self) -> float | None:
+        if "val" not in self.loaders:
+            return None
+        args = self.train_args
+        self.hook.on_val_start(self)
+        self.model.eval()
+        loss_sum, count = 0.0, 0
+        _, sampler = self.loaders["val"]
+        saved = rng_states()
+        for i, chunk in enumerate(self._micro_chunks("val")):
+            if args.max_val_steps and i >= args.max_val_steps:
+                break
+            self.hook.on_val_step_start(self, chunk)
+            losses = self.model.infer_step(chunk)
+            self.hook.on_val_step_end(self, losses)
+            s, c = self._aggregate(losses)
+            loss_sum, count = loss_sum + s, count + c
+        set_rng_states(saved)  # validation does not change the training's random stream
+        self.model.train()
+        val_loss = loss_sum / max(count, 1)
+        self.hook.after_aggregate_val_step_outputs(self, None, val_loss)
+        metrics = {"val/loss": val_loss}
+        self.hook.before_log_val_metrics(self, metrics)
+        self.log_metrics(metrics, self.train_status["step"])
+        self.last_val_loss = val_loss
+        self.hook.on_val_end(self, val_loss)
+        return val_loss
+
+    def log_metrics(
+        self, metrics: dict[str, float], step: int | None = None, *, tag: str | None = None
+    ) -> None:
+        """Send `metrics` to every logger (rank 0 only)."""
+        for lg in self.loggers:
+            lg.log_metrics(metrics, self.train_status["step"] if step is None else step, tag=tag)
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    @classmethod
+    def merge_checkpoint(cls, checkpoint_files: list[str] | str, output_file: str) -> None:
+        """Merge a checkpoint (its directory, or its per-rank files) into one file: `.safetensors`
+        writes the model weights only, anything else a torch file with model and optimizer state."""
+        _resume.merge_checkpoint(checkpoint_files, output_file)
