@@ -33,9 +33,16 @@ __all__ = [
 
 Group = dist.ProcessGroup | None
 _REDUCTIONS = ("mean", "sum", "none")
-# torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (deprecated there) to *_single
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (deprecated there) to *_single.
+# Looked up at each call, so the communication timeline (runtime/timeline.py) sees them.
+def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 def rank_in_group(group: Group) -> int:

@@ -9,6 +9,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from nnscaler.runtime import timeline
 from nnscaler.runtime.timeouts import collective_timeout
 
 __all__ = ["init", "uninit", "is_initialized", "runtime_device", "local_cuda_index", "bind_cuda_device"]
@@ -31,6 +32,7 @@ def init(timeout: datetime.timedelta | float | None = None) -> None:
     Idempotent: does nothing when a process group already exists or when not under torchrun.
     """
     wait = collective_timeout(timeout)  # validated even when there is nothing to start
+    timeline.start_from_env()  # $NNSCALER_TIMELINE: record every collective and P2P op
     if is_initialized() and timeout is not None:
         warnings.warn(
             f"nnscaler.init(timeout={timeout!r}) has no effect: a process group already exists "
@@ -55,6 +57,7 @@ def uninit() -> None:
 
     clear_groups()
     if is_initialized():
+        timeline.flush()  # while the rank is known; the file is written again at exit
         dist.destroy_process_group()
 
 

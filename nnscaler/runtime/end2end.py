@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nnscaler.runtime import timeline
 from nnscaler.runtime.groups import get_group
 
 __all__ = ["EndToEndMixin"]
@@ -75,9 +76,11 @@ class EndToEndMixin:
             )
         samples = self._micro_batches(samples)
         step = self._schedule_fn("_train_step")
-        with self._checked_step("train_step", samples), self.no_sync():
-            losses = step(self, samples, is_dummy_batch=is_dummy_batch, scale_fn=scale_fn)
-        self.sync_grad()
+        with timeline.span("train_step", micro_batches=len(samples)):
+            with self._checked_step("train_step", samples), self.no_sync():
+                losses = step(self, samples, is_dummy_batch=is_dummy_batch, scale_fn=scale_fn)
+            with timeline.span("sync_grad"):
+                self.sync_grad()
         return losses
 
     def infer_step(self, samples: Any) -> list[torch.Tensor]:

@@ -168,7 +168,9 @@ def connect(peers: Sequence[int], device: torch.device) -> None:
     for low, high in todo:
         peer = high if low == me else low
         out, got = torch.zeros(1, device=device), torch.empty(1, device=device)
-        ops = [dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, got, peer)]
+        # P2POp accepts only torch's own isend / irecv: unwrap the timeline's recording wrappers
+        isend, irecv = (getattr(f, "__wrapped__", f) for f in (dist.isend, dist.irecv))
+        ops = [dist.P2POp(isend, out, peer), dist.P2POp(irecv, got, peer)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         _connected.add((pg, me, peer))
