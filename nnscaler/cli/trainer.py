@@ -30,6 +30,7 @@ from nnscaler.cli.trainer_args import TrainerArgs
 from nnscaler.errors import ConfigError
 from nnscaler.parallel import parallelize
 from nnscaler.runtime import init as nnscaler_init
+from nnscaler.runtime import rng as _shard_rng  # its shard generators are part of the random state
 
 __all__ = ["Trainer", "TrainStatus"]
 
@@ -75,9 +76,12 @@ class _SkippingSampler(torch.utils.data.Sampler):
 
 
 def rng_states() -> dict[str, Any]:
+    """Every random generator a training step draws from: torch (CPU, CUDA), numpy, random, and the
+    runtime's per-shard generators of tensor-parallel dropout."""
     states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
+    states["shard"] = {key: gen.get_state() for key, gen in _shard_rng._GENERATORS.items()}
     return states
 
 
@@ -87,6 +91,9 @@ def set_rng_states(states: dict[str, Any]) -> None:
     random.setstate(states["random"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
+    for (device, rank), state in states.get("shard", {}).items():
+        gen = _shard_rng._GENERATORS.setdefault((device, rank), torch.Generator(device=torch.device(device)))
+        gen.set_state(state)
 
 
 class Trainer:
