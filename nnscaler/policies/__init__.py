@@ -1,4 +1,4 @@
-"""Policies: functions (graph, compute_config) -> Plan. Built-ins: dp, data, tp, pp, hybrid."""
+"""Policies: functions (graph, compute_config) -> Plan. Built-ins: dp, data, tp, pp, hybrid, autodist."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
 from nnscaler.graph.ops import annotate_node, get_rule, layouts_for
-from nnscaler.policies.builtin import pas_data, pas_dp
+from nnscaler.policies.builtin import pas_autodist, pas_data, pas_dp
 from nnscaler.policies.pipeline import check_end2end_loss, pas_hybrid, pas_pp, validate_pipeline
 from nnscaler.policies.plan import REPLICATE, NodePlan, PipelinePlan, Plan
 from nnscaler.policies.recompute import recompute_paths
@@ -34,6 +34,7 @@ BUILTIN_POLICIES: dict[str, Policy] = {
     "tp": pas_tp,
     "pp": pas_pp,
     "hybrid": pas_hybrid,
+    "autodist": pas_autodist,
 }
 
 

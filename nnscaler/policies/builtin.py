@@ -9,7 +9,7 @@ from nnscaler.graph.ops import BoundAnno, split_layouts
 from nnscaler.policies.plan import NodePlan, Plan
 from nnscaler.policies.propagate import PropagationState, propagate
 
-__all__ = ["pas_dp", "pas_data"]
+__all__ = ["pas_dp", "pas_data", "pas_autodist"]
 
 
 def _notes(plans: dict[str, NodePlan]) -> tuple[str, ...]:
@@ -42,3 +42,10 @@ def pas_data(graph: Graph, cfg: ComputeConfig) -> Plan:
 
     plans = propagate(graph, ways, decide if ways > 1 else None, allow_partial_to_shard=True)
     return Plan("data", ways, plans, _notes(plans))
+
+
+def pas_autodist(graph: Graph, cfg: ComputeConfig) -> Plan:
+    """The searched plan (nnscaler.policies.autodist; imported on first use: it loads the ILP solver)."""
+    from nnscaler.policies.autodist import pas_autodist as search
+
+    return search(graph, cfg)

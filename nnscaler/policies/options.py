@@ -29,6 +29,7 @@ __all__ = [
     "PipelineOptions",
     "PpOptions",
     "HybridOptions",
+    "AutodistOptions",
     "POLICY_OPTIONS",
     "parse_pas_config",
     "validate_pas_config",
@@ -150,12 +151,59 @@ class HybridOptions(PipelineOptions):
     )
 
 
+@dataclass(frozen=True)
+class AutodistOptions(PipelineOptions):
+    """Policy `autodist`: the searched plan (docs/autodist.md). Pipeline keys constrain the search:
+    `pipeline_nstages` 'auto' searches the stage count (pipelines only with use_end2end)."""
+
+    cluster: str | dict | None = field(
+        default=None,
+        metadata=_doc(
+            "Cluster description: a YAML path, a shipped example ('h100x8', 'h100x64_ib', 'cpu_gloo') or the "
+            "YAML's mapping; "
+            "default: 'cpu_gloo' without CUDA, else one node of the current GPU kind."
+        ),
+    )
+    mem_constraint: float | None = field(
+        default=None, metadata=_doc("Memory per device in GB a plan may use (default: the device table's).")
+    )
+    zero_stage: int | None = field(
+        default=None,
+        metadata=_doc(
+            "ZeRO stage the memory and time model assume (default: ComputeConfig's when use_zero, else 0).",
+            min=0,
+        ),
+    )
+    partition_constraints_path: str | None = field(
+        default=None,
+        metadata=_doc(
+            "YAML list of partition constraints (name, parent_module, allowed_partition_dims, ...)."
+        ),
+    )
+    partition_constraints: list[dict] | None = field(
+        default=None, metadata=_doc("The same constraints given inline as a list of mappings.")
+    )
+    load_plan_path: str | None = field(
+        default=None, metadata=_doc("Load this saved plan (JSON) instead of searching.")
+    )
+    save_plan_path: str | None = field(default=None, metadata=_doc("Save the chosen plan here (JSON)."))
+    use_bf16: bool = field(default=False, metadata=_doc("Cost the model as if it ran in bf16."))
+    use_fp16: bool = field(default=False, metadata=_doc("Cost the model as if it ran in fp16."))
+    transient_mem_coef: float = field(
+        default=2.0, metadata=_doc("Transient buffers as a multiple of the largest activation.")
+    )
+    solver: Literal["auto", "cbc", "highs"] = field(
+        default="auto", metadata=_doc("Integer-program solver ('auto': HiGHS when installed, else CBC).")
+    )
+
+
 POLICY_OPTIONS: dict[str, type[PolicyOptions]] = {
     "dp": DpOptions,
     "data": DataOptions,
     "tp": TpOptions,
     "pp": PpOptions,
     "hybrid": HybridOptions,
+    "autodist": AutodistOptions,
 }
 """The options dataclass of every built-in policy, by name."""
 

@@ -1,0 +1,179 @@
+"""The candidate partitions of every node, each with its layouts, compute time, internal
+communication, and the cost and memory of the parameters it reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nnscaler.graph.ir import Graph, Layout, Node, Replicate, Shard, iter_refs
+from nnscaler.graph.ops import annotate_node, get_rule, is_bias_split, layouts_for, split_candidates
+from nnscaler.policies.autodist.comm import all_reduce
+from nnscaler.policies.autodist.constraints import PartitionConstraints
+from nnscaler.policies.autodist.cost import CostContext, compute_time, local_bytes, node_flops
+from nnscaler.policies.autodist.memory import MemoryModel
+from nnscaler.policies.blocks import blocks_hint
+from nnscaler.policies.plan import REPLICATE, NodePlan
+
+__all__ = ["Choice", "NodeChoices", "node_choices", "tensor_refs"]
+
+_MATMUL_PREFIX = ("aten.linear", "aten.mm", "aten.bmm", "aten.matmul", "aten.addmm", "aten.baddbmm")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One way to run a node: its NodePlan and what it costs."""
+
+    plan: NodePlan
+    inputs: tuple[Layout | None, ...]
+    """Layout required of each tensor input (None: a '?' input, taken as it comes)."""
+    outputs: tuple[Layout | None, ...]
+    compute: float
+    """Seconds of compute per step on one device."""
+    comm: float
+    """Seconds of communication inside the op (specials, bias after a reduction) and of the partial gradients
+    of replicated parameters it reads while split (summed inside the plan)."""
+    memory: float
+    """Bytes per device: parameters it owns (with gradients and optimizer state) and saved activations."""
+    sync: float = 0.0
+    """Seconds per step to synchronise the gradients of the parameters it owns across data-parallel
+    replicas (once per step, not per micro-batch)."""
+    param_bytes: float = 0.0
+    """Bytes per device of the parameters it owns (weights only)."""
+    activation_bytes: float = 0.0
+    """Bytes per device of its outputs kept for backward."""
+
+    @property
+    def time(self) -> float:
+        return self.compute + self.comm
+
+
+@dataclass
+class NodeChoices:
+    node: Node
+    refs: list[str]
+    """Tensor inputs (value names), in annotation order."""
+    choices: list[Choice] = field(default_factory=list)
+
+
+def tensor_refs(graph: Graph, node: Node) -> list[str]:
+    return [r.name for r in iter_refs((node.args, node.kwargs)) if graph.values[r.name].meta]
+
+
+def _plans(graph: Graph, node: Node, bound, ways: int) -> list[NodePlan]:
+    plans = [REPLICATE]
+    if ways <= 1 or bound is None:
+        return plans
+    hint = blocks_hint(graph, node.outputs[0]) if node.outputs else 1
+    for ident in split_candidates(bound, ways):
+        plans.append(NodePlan(ident, ways))
+        if hint > 1:
+            cand = NodePlan(ident, ways, hint)
+            lay = layouts_for(bound, get_rule(node.op), ident, ways, hint)
+            outs = [] if isinstance(lay, str) else lay.outputs
+            if any(isinstance(o, Shard) and o.blocks == hint for o in outs):
+                plans.append(cand)
+    return plans
+
+
+def node_choices(
+    graph: Graph,
+    node: Node,
+    ctx: CostContext,
+    memory: MemoryModel,
+    owned_params: set[str],
+    constraints: PartitionConstraints | None = None,
+    saved: bool = True,
+) -> NodeChoices:
+    """Every allowed partition of `node` over ctx.ways devices with its costs.
+
+    owned_params: parameters whose memory and data-parallel gradient sync this node accounts for
+    (each parameter is owned by its first reader). saved: its outputs are kept for backward (False
+    inside recomputed modules).
+    """
+    refs = tensor_refs(graph, node)
+    out = NodeChoices(node, refs)
+    bound = annotate_node(node, graph)
+    rule = get_rule(node.op)
+    metas_in = [graph.values[r].meta for r in refs]
+    metas_out = [graph.values[o].meta for o in node.outputs]
+    in_bytes = [ctx.value_bytes(graph, r) for r in refs]
+    out_bytes = [ctx.value_bytes(graph, o) for o in node.outputs]
+    scale = max(
+        [ctx.value_scale(graph, r) for r in refs + list(node.outputs) if graph.values[r].meta] or [1.0]
+    )
+    flops = node_flops(node, graph) * scale
+    dtype = next((m.dtype for m in metas_out if m is not None), "float32")
+    matmul = node.op.startswith(_MATMUL_PREFIX) or "attention" in node.op or "conv" in node.op
+    for plan in _plans(graph, node, bound, ctx.ways):
+        if constraints is not None and not constraints.allows(graph, node, bound, plan):
+            continue
+        ways = plan.ways if plan.split else 1
+        if bound is None:
+            ins = tuple(Replicate() for _ in refs)
+            outs = tuple(Replicate() for _ in node.outputs)
+        else:
+            lay = layouts_for(bound, rule, plan.split, ways, plan.blocks)
+            if isinstance(lay, str):
+                continue
+            ins, outs = tuple(lay.inputs), tuple(lay.outputs)
+        moved = sum(local_bytes(b, lay_, ways) for b, lay_ in zip(in_bytes, ins)) + sum(
+            local_bytes(b, lay_, ways) for b, lay_ in zip(out_bytes, outs)
+        )
+        compute = compute_time(flops / ways, moved, ctx, dtype, matmul)
+        comm = _internal_comm(bound, rule, plan, in_bytes, out_bytes, ctx)
+        param_local = 0.0
+        sync = 0.0
+        bias_split = bound is not None and is_bias_split(bound, rule, plan.split, ways)
+        for slot, (ref, b, lay_) in enumerate(zip(refs, in_bytes, ins)):
+            value = graph.values[ref]
+            if value.kind not in ("param", "buffer"):
+                continue
+            after_reduce = bias_split and slot == rule.bias_input  # added once, after the all-reduce
+            if (
+                value.kind == "param"
+                and plan.split
+                and isinstance(lay_, Replicate)
+                and ctx.training
+                and not after_reduce
+            ):
+                comm += all_reduce(b, ctx.ways, ctx.tp_link)  # each device holds a partial gradient
+            if ref in owned_params:
+                local = local_bytes(b, lay_, ways)
+                param_local += local
+                if value.kind == "param":
+                    sync += memory.grad_sync_time(local, ctx)
+        act = (
+            sum(local_bytes(b, o, ways) for b, o in zip(out_bytes, outs)) if (saved and ctx.training) else 0.0
+        )
+        mem = memory.param_state_bytes(param_local, ctx) + act * memory.activation_factor
+        out.choices.append(Choice(plan, ins, outs, compute, comm, mem, sync, param_local, act))
+    if not out.choices:  # constraints forbade everything the shapes allow: replicate
+        ins = tuple(Replicate() if m is not None else None for m in metas_in)
+        outs = tuple(Replicate() for _ in node.outputs)
+        out.choices.append(
+            Choice(
+                REPLICATE,
+                ins,
+                outs,
+                compute_time(flops, sum(in_bytes) + sum(out_bytes), ctx, dtype, matmul),
+                0.0,
+                0.0,
+            )
+        )
+    return out
+
+
+def _internal_comm(bound, rule, plan: NodePlan, in_bytes, out_bytes, ctx: CostContext) -> float:
+    """Communication a split does inside the op: the all-reduce after a reduction with a bias, and the
+    collectives of special local code (vocab-parallel embedding and cross entropy)."""
+    if plan.split is None or bound is None or ctx.ways <= 1:
+        return 0.0
+    special = rule.specials.get(plan.split) if rule is not None else None
+    if special is not None and special.output == "replicate":
+        size = bound.sizes.get(plan.split, 1) or 1
+        rows = max(in_bytes[0] / size if in_bytes else 0.0, sum(out_bytes))
+        return all_reduce(rows, ctx.ways, ctx.tp_link) * (2.0 if ctx.training else 1.0)
+    if rule is not None and rule.bias_input is not None and bound.anno.flag_of(plan.split) == "+":
+        if rule.bias_input < len(bound.anno.inputs):
+            return all_reduce(sum(out_bytes), ctx.ways, ctx.tp_link)
+    return 0.0

@@ -1,0 +1,142 @@
+"""The cluster description: nodes, devices per node, and the links between devices (YAML).
+
+    name: 8x H100 over InfiniBand
+    device: h100            # a key of nnscaler.policies.autodist.devices.DEVICES, or a mapping
+                            # {name: h100, bf16_tflops: 900, ...} changing some of its figures
+    nodes: 8
+    devices_per_node: 8
+    intra_node: {bandwidth_gbs: 450, latency_us: 3}    # NVLink, per device, one direction
+    inter_node: {bandwidth_gbs: 50, latency_us: 6}     # 400 Gb/s InfiniBand NIC per device
+    memory_gb: 80            # optional: overrides the device table
+
+`load_cluster('h100x8')` loads a shipped example by name (nnscaler/policies/autodist/clusters/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from nnscaler.errors import ConfigError
+from nnscaler.policies.autodist.devices import DeviceSpec, get_device
+
+__all__ = ["LinkSpec", "ClusterSpec", "load_cluster", "shipped_clusters"]
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link as the alpha-beta model sees it: time(bytes) = latency + bytes / bandwidth."""
+
+    bandwidth_gbs: float
+    """Bandwidth per device in one direction, GB/s (1e9 bytes/s)."""
+    latency_us: float
+    """Latency of one message, microseconds."""
+
+    @property
+    def alpha(self) -> float:
+        """Latency in seconds."""
+        return self.latency_us * 1e-6
+
+    @property
+    def beta(self) -> float:
+        """Bandwidth in bytes per second."""
+        return self.bandwidth_gbs * 1e9
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Devices and links of a cluster."""
+
+    device: DeviceSpec
+    nodes: int = 1
+    devices_per_node: int = 8
+    intra_node: LinkSpec = field(default_factory=lambda: LinkSpec(450.0, 3.0))
+    inter_node: LinkSpec = field(default_factory=lambda: LinkSpec(50.0, 6.0))
+    name: str = ""
+
+    @property
+    def ndevices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def link(self, group_size: int, stride: int = 1) -> LinkSpec:
+        """The bottleneck link of a group of `group_size` devices `stride` apart (ranks packed by node)."""
+        if (group_size - 1) * stride < self.devices_per_node:
+            return self.intra_node
+        return self.inter_node
+
+    def with_devices(self, n: int) -> ClusterSpec:
+        """The same cluster cut or grown to `n` devices (whole nodes where n fills them)."""
+        per = min(self.devices_per_node, n)
+        return replace(self, nodes=max(1, -(-n // per)), devices_per_node=per)
+
+
+def _link(data: object, where: str) -> LinkSpec:
+    if not isinstance(data, dict) or "bandwidth_gbs" not in data:
+        raise ConfigError(
+            f"cluster field {where!r} needs {{bandwidth_gbs: <GB/s>, latency_us: <us>}}, got {data!r}"
+        )
+    bw, lat = float(data["bandwidth_gbs"]), float(data.get("latency_us", 5.0))
+    if bw <= 0 or lat < 0:
+        raise ConfigError(
+            f"cluster field {where!r}: bandwidth_gbs must be > 0 and latency_us >= 0, got {data!r}"
+        )
+    return LinkSpec(bw, lat)
+
+
+def cluster_from_dict(data: dict, name: str = "") -> ClusterSpec:
+    """A ClusterSpec from a parsed YAML mapping (see the module docstring)."""
+    known = {"name", "device", "nodes", "devices_per_node", "intra_node", "inter_node", "memory_gb"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"cluster description has unknown fields {unknown}; known: {sorted(known)}")
+    if "device" not in data:
+        raise ConfigError("cluster description needs 'device' (one of h100, h200, a100, mi300x, cpu)")
+    dev = data["device"]
+    if isinstance(dev, dict):  # a known kind with some figures changed, e.g. {name: h100, memory_gb: 94}
+        fields = {f for f in DeviceSpec.__dataclass_fields__} - {"name"}
+        bad = sorted(set(dev) - fields - {"name"})
+        if "name" not in dev or bad:
+            raise ConfigError(
+                f"cluster field 'device' as a mapping needs 'name' (a known kind) and only DeviceSpec fields "
+                f"{sorted(fields)}; got {dev!r}"
+            )
+        device = replace(get_device(str(dev["name"])), **{k: float(v) for k, v in dev.items() if k != "name"})
+    else:
+        device = get_device(str(dev))
+    if "memory_gb" in data:
+        device = replace(device, memory_gb=float(data["memory_gb"]))
+    nodes, per = int(data.get("nodes", 1)), int(data.get("devices_per_node", 8))
+    if nodes < 1 or per < 1:
+        raise ConfigError(f"cluster nodes and devices_per_node must be >= 1, got {nodes} and {per}")
+    intra = _link(data.get("intra_node", {"bandwidth_gbs": 450.0, "latency_us": 3.0}), "intra_node")
+    inter = _link(data.get("inter_node", {"bandwidth_gbs": 50.0, "latency_us": 6.0}), "inter_node")
+    return ClusterSpec(device, nodes, per, intra, inter, str(data.get("name", name)))
+
+
+def shipped_clusters() -> list[str]:
+    """Names of the example cluster files shipped with nnscaler."""
+    folder = resources.files("nnscaler.policies.autodist") / "clusters"
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_cluster(spec: str | Path | dict | ClusterSpec) -> ClusterSpec:
+    """A cluster from a YAML path, a shipped example's name ('h100x8', 'h100x64_ib', 'cpu_gloo'), or a dict."""
+    if isinstance(spec, ClusterSpec):
+        return spec
+    if isinstance(spec, dict):
+        return cluster_from_dict(spec)
+    path = Path(spec)
+    if not path.exists():
+        shipped = resources.files("nnscaler.policies.autodist") / "clusters" / f"{spec}.yaml"
+        if not shipped.is_file():
+            raise ConfigError(
+                f"cluster {str(spec)!r} is neither a file nor a shipped example; shipped: {shipped_clusters()}"
+            )
+        return cluster_from_dict(yaml.safe_load(shipped.read_text()), str(spec))
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise ConfigError(f"cluster file {path} must hold a YAML mapping, got {type(data).__name__}")
+    return cluster_from_dict(data, path.stem)

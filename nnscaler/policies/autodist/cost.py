@@ -1,0 +1,180 @@
+"""The analytic cost model: FLOPs and bytes per op from its annotation and traced shapes, compute time
+on a DeviceSpec, and the time of turning one layout of a tensor into another (forward + backward).
+
+Times are seconds for one training step of one micro-batch (forward + backward) unless
+`CostContext.training` is False (forward only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nnscaler.graph.ir import Graph, Layout, Node, Partial, Replicate, Shard
+from nnscaler.policies.autodist.cluster import ClusterSpec
+from nnscaler.policies.autodist.comm import all_gather, all_reduce, all_to_all, reduce_scatter
+
+__all__ = [
+    "CostContext",
+    "DTYPE_BYTES",
+    "dtype_bytes",
+    "node_flops",
+    "compute_time",
+    "reshard_time",
+    "local_bytes",
+    "traced_batch_size",
+]
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
+"""Bytes per element by dtype name (others: 4)."""
+
+_CONTRACTING = {
+    "aten.linear.default": -1,
+    "aten.mm.default": -1,
+    "aten.matmul.default": -1,
+    "aten.addmm.default": -1,
+    "aten.bmm.default": -1,
+    "aten.baddbmm.default": -1,
+    "aten.einsum.default": -1,
+    "aten._grouped_mm.default": -1,
+    "transformers.grouped_mm_fallback.default": -1,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    return DTYPE_BYTES.get(dtype.replace("torch.", ""), 4)
+
+
+@dataclass(frozen=True)
+class CostContext:
+    """What the cost of a plan depends on besides the graph."""
+
+    cluster: ClusterSpec
+    ways: int = 1
+    """Devices an op is split over (the tensor-parallel group of one stage)."""
+    dp_size: int = 1
+    """Data-parallel replicas of the plan (runtime_ngpus // plan_ngpus, or the searched dp degree)."""
+    dp_stride: int = 1
+    """Distance in ranks between data-parallel peers (the plan size)."""
+    training: bool = True
+    """Forward and backward (False: forward only)."""
+    compute_dtype: str | None = None
+    """Dtype the math runs in (None: the traced dtype; 'bfloat16' plans an fp32-traced model for bf16)."""
+    batch_scale: float = 1.0
+    """Multiplies the size of activations that carry the batch (micro-batch size relative to the traced one)."""
+    traced_batch: int = 0
+    """Batch size of the trace: an activation whose dim 0 is a multiple of it carries the batch (0: all do)."""
+
+    def value_scale(self, graph: Graph, name: str) -> float:
+        """batch_scale for an activation that carries the batch, else 1 (parameters, positions, masks)."""
+        if self.batch_scale == 1.0:
+            return 1.0
+        value = graph.values[name]
+        if value.kind in ("param", "buffer") or value.meta is None:
+            return 1.0
+        shape = value.meta.shape
+        if self.traced_batch <= 1:
+            return self.batch_scale
+        return (
+            self.batch_scale
+            if shape and shape[0] >= self.traced_batch and shape[0] % self.traced_batch == 0
+            else 1.0
+        )
+
+    def value_bytes(self, graph: Graph, name: str) -> float:
+        """Bytes of a whole tensor, scaled to the micro-batch."""
+        meta = graph.values[name].meta
+        return meta.numel * self.elem_bytes(meta.dtype) * self.value_scale(graph, name) if meta else 0.0
+
+    @property
+    def tp_link(self):
+        return self.cluster.link(self.ways)
+
+    @property
+    def dp_link(self):
+        return self.cluster.link(self.dp_size, self.dp_stride)
+
+    def elem_bytes(self, dtype: str) -> int:
+        if self.compute_dtype is not None and dtype.replace("torch.", "").startswith(("float", "bfloat")):
+            return dtype_bytes(self.compute_dtype)
+        return dtype_bytes(dtype)
+
+
+def node_flops(node: Node, graph: Graph) -> float:
+    """Forward FLOPs: 2 x output x contracted length for contractions, 4bhstd for attention, else output size."""
+    outs = [graph.values[o].meta for o in node.outputs if graph.values[o].meta is not None]
+    out = sum(m.numel for m in outs)
+    ins = [graph.values[n].meta for n in node.input_names() if graph.values[n].meta is not None]
+    if node.op in _CONTRACTING and ins and ins[0].shape:
+        return 2.0 * out * ins[0].shape[-1]
+    if node.op.startswith("aten.scaled_dot_product_attention") and len(ins) >= 3 and len(ins[1].shape) >= 2:
+        q, k, v = ins[0].shape, ins[1].shape, ins[2].shape
+        qn = ins[0].numel
+        return 2.0 * qn * k[-2] + 2.0 * (qn // q[-1]) * k[-2] * v[-1]
+    if node.op.startswith("aten.conv") and len(ins) > 1 and ins[1].shape:
+        w = ins[1].shape
+        return 2.0 * out * (ins[1].numel // max(w[0], 1))
+    return float(out)
+
+
+def compute_time(flops: float, nbytes: float, ctx: CostContext, dtype: str, matmul: bool) -> float:
+    """Roofline time of one op: max(FLOPs / sustained peak, bytes / sustained bandwidth) + launch."""
+    dev = ctx.cluster.device
+    dt = ctx.compute_dtype or dtype
+    peak = dev.tflops(dt) * 1e12 * (dev.matmul_efficiency if matmul else 0.5)
+    bw = dev.mem_bw_gbs * 1e9 * dev.mem_efficiency
+    fwd = max(flops / peak, nbytes / bw) + dev.kernel_overhead_us * 1e-6
+    return fwd * (3.0 if ctx.training else 1.0)
+
+
+def local_bytes(nbytes: float, layout: Layout | None, ways: int) -> float:
+    """Bytes one device holds of a tensor of `nbytes` in `layout`."""
+    return nbytes / ways if isinstance(layout, Shard) else nbytes
+
+
+def reshard_time(
+    src: Layout | None,
+    dst: Layout | None,
+    nbytes: float,
+    ctx: CostContext,
+    consumer_split: bool,
+    needs_grad: bool,
+    shared_grad_reduce: bool = False,
+) -> float:
+    """Time to give a consumer layout `dst` of a tensor produced in `src` (forward + its backward).
+
+    consumer_split: the consumer runs split (each device computes a different part), so the
+    gradient it returns for a replicated input is a partial sum that must be all-reduced.
+    shared_grad_reduce: leave out that all-reduce (the caller charges it once for all consumers
+    of the value: their partial gradients are summed locally first).
+    Returns inf where no conversion exists (nothing converts to Partial).
+    """
+    if src is None or dst is None or ctx.ways <= 1:
+        return 0.0
+    p, link = ctx.ways, ctx.tp_link
+    bwd = ctx.training and needs_grad
+    if isinstance(dst, Partial):
+        return 0.0 if isinstance(src, Partial) else float("inf")
+    if isinstance(src, Replicate):
+        if isinstance(dst, Replicate):
+            return all_reduce(nbytes, p, link) if (bwd and consumer_split and not shared_grad_reduce) else 0.0
+        return all_gather(nbytes, p, link) if bwd else 0.0  # forward: a local slice
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return all_reduce(nbytes, p, link)
+        return reduce_scatter(nbytes, p, link) + (all_gather(nbytes, p, link) if bwd else 0.0)
+    # src is a Shard
+    if isinstance(dst, Replicate):
+        back = reduce_scatter(nbytes, p, link) if (bwd and consumer_split) else 0.0
+        return all_gather(nbytes, p, link) + back
+    if src == dst:
+        return 0.0
+    return all_to_all(nbytes / p, p, link) * (2.0 if bwd else 1.0)
+
+
+def traced_batch_size(graph: Graph) -> int:
+    """Dim 0 of the first tensor forward input (the batch the model was traced with), 0 if none."""
+    for name in graph.inputs:
+        v = graph.values[name]
+        if v.kind == "input" and v.meta is not None and v.meta.shape:
+            return v.meta.shape[0]
+    return 0

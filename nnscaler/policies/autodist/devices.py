@@ -1,0 +1,69 @@
+"""The device table: peak dense FLOP/s per dtype, memory bandwidth and memory size of each device kind.
+
+Figures are vendor datasheet peaks for dense math (no 2:4 sparsity). The cost model applies the
+`efficiency` fields on top: sustained matmul throughput and memory bandwidth are below the peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nnscaler.errors import ConfigError
+
+__all__ = ["DeviceSpec", "DEVICES", "get_device"]
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or a CPU socket share) as the cost model sees it."""
+
+    name: str
+    """Key in DEVICES (e.g. 'h100')."""
+    bf16_tflops: float
+    """Peak dense bf16/fp16 tensor throughput, TFLOP/s."""
+    fp32_tflops: float
+    """Peak dense fp32 throughput without TF32 tensor cores, TFLOP/s."""
+    mem_bw_gbs: float
+    """Memory (HBM / DRAM) bandwidth, GB/s (1e9 bytes/s)."""
+    memory_gb: float
+    """Memory per device, GB (1e9 bytes)."""
+    matmul_efficiency: float = 0.7
+    """Fraction of the peak that large matmuls sustain."""
+    mem_efficiency: float = 0.8
+    """Fraction of the memory bandwidth that elementwise kernels sustain."""
+    kernel_overhead_us: float = 5.0
+    """Fixed cost per op launch, microseconds."""
+
+    def tflops(self, dtype: str) -> float:
+        """Peak TFLOP/s for a tensor dtype name ('float32', 'bfloat16', 'torch.float16', ...)."""
+        d = dtype.replace("torch.", "")
+        return self.bf16_tflops if d in ("bfloat16", "float16", "half") else self.fp32_tflops
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    "h100": DeviceSpec("h100", bf16_tflops=989.0, fp32_tflops=67.0, mem_bw_gbs=3350.0, memory_gb=80.0),
+    "h200": DeviceSpec("h200", bf16_tflops=989.0, fp32_tflops=67.0, mem_bw_gbs=4800.0, memory_gb=141.0),
+    "a100": DeviceSpec("a100", bf16_tflops=312.0, fp32_tflops=19.5, mem_bw_gbs=2039.0, memory_gb=80.0),
+    "mi300x": DeviceSpec("mi300x", bf16_tflops=1307.0, fp32_tflops=163.4, mem_bw_gbs=5300.0, memory_gb=192.0),
+    # One share of a small x86 host (2 cores, AVX2): measured order of magnitude, not a datasheet.
+    "cpu": DeviceSpec(
+        "cpu",
+        bf16_tflops=0.05,
+        fp32_tflops=0.1,
+        mem_bw_gbs=10.0,
+        memory_gb=8.0,
+        matmul_efficiency=0.5,
+        kernel_overhead_us=20.0,
+    ),
+}
+"""Known device kinds by name."""
+
+_ALIASES = {"h100_sxm": "h100", "h100-sxm": "h100", "a100_80gb": "a100", "mi300": "mi300x"}
+
+
+def get_device(name: str) -> DeviceSpec:
+    """The DeviceSpec called `name` (case-insensitive); ConfigError listing the known ones otherwise."""
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in DEVICES:
+        raise ConfigError(f"unknown device {name!r} in the cluster description: use one of {sorted(DEVICES)}")
+    return DEVICES[key]

@@ -1,0 +1,89 @@
+"""Cost a given plan (a loaded plan, or a standard recipe) with the same model the search uses."""
+
+from __future__ import annotations
+
+import math
+
+from nnscaler.graph.ir import Graph
+from nnscaler.policies.autodist.comm import send_recv
+from nnscaler.policies.autodist.search import Candidate, PlannerSetup, _ctx
+from nnscaler.policies.autodist.spmd import solve_spmd
+from nnscaler.policies.plan import REPLICATE, NodePlan, Plan
+
+__all__ = ["evaluate_nodes", "evaluate_plan"]
+
+
+def evaluate_nodes(
+    graph: Graph,
+    setup: PlannerSetup,
+    nodes: dict[str, NodePlan],
+    *,
+    pp: int = 1,
+    starts: list[int] | None = None,
+    nmicros: int = 1,
+    recompute: tuple[str, ...] = (),
+) -> Candidate:
+    """The predicted step time and memory of per-node splits over plan_ngpus // pp devices per stage."""
+    tp = setup.plan_ngpus // pp
+    ctx = _ctx(setup, tp)
+    fixed = {n.name: nodes.get(n.name, REPLICATE) for n in graph.nodes}
+    fixed = {k: (v if v.split is not None and v.ways > 1 else REPLICATE) for k, v in fixed.items()}
+    fixed = {k: NodePlan(v.split, v.ways, v.blocks) for k, v in fixed.items()}  # notes do not matter
+    res = solve_spmd(
+        graph,
+        ctx,
+        setup.memory,
+        recompute=recompute,
+        pivots=setup.pivots,
+        solver=setup.solver,
+        fixed=fixed,
+        fold=False,
+        nmicros=nmicros,
+    )
+    factor = 4.0 / 3.0 if recompute else 1.0
+    if pp == 1:
+        return Candidate(
+            1,
+            tp,
+            nmicros,
+            bool(recompute),
+            res.time * nmicros * factor + res.sync,
+            res.memory,
+            res,
+            recompute_paths=recompute,
+        )
+    starts = sorted(starts or [0])
+    bounds = starts + [len(graph.nodes)]
+    stage_times, mems, syncs = [], [], []
+    for s in range(len(starts)):
+        names = [graph.nodes[i].name for i in range(bounds[s], bounds[s + 1])]
+        stage_times.append(sum(res.node_time[n] for n in names) * factor)
+        act = sum(res.choice[n].activation_bytes for n in names)
+        par = sum(res.node_memory[n] for n in names) - act
+        mems.append(par + act * min(len(starts) - s, nmicros))
+        syncs.append(sum(res.node_sync[n] for n in names))
+    hop = max(
+        (ctx.value_bytes(graph, r) for i in starts[1:] for r in graph.nodes[i].input_names()), default=0.0
+    )
+    p2p = 2 * (len(starts) - 1) * send_recv(hop / tp, 2, setup.cluster.link(2, tp))
+    step = (nmicros + len(starts) - 1) * max(stage_times) + p2p + max(syncs)
+    return Candidate(pp, tp, nmicros, bool(recompute), step, max(mems), res, starts, stage_times, recompute)
+
+
+def evaluate_plan(graph: Graph, setup: PlannerSetup, plan: Plan) -> Candidate:
+    """Re-cost a Plan for the current shapes and cluster."""
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    if plan.pipeline is None:
+        return evaluate_nodes(graph, setup, plan.nodes, nmicros=setup.nmicros or 1, recompute=plan.recompute)
+    p = plan.pipeline
+    if p.nstages != p.pp_size:
+        return Candidate(p.pp_size, plan.tp_size, p.nmicros, False, math.nan, math.nan, None)  # type: ignore[arg-type]
+    return evaluate_nodes(
+        graph,
+        setup,
+        plan.nodes,
+        pp=p.pp_size,
+        starts=[index[s] for s in p.starts],
+        nmicros=p.nmicros,
+        recompute=plan.recompute,
+    )

@@ -1,0 +1,75 @@
+"""Repeated layers: instances of the pivot class (e.g. every decoder layer) with identical op
+sequences and shapes are folded onto the first one, so the search solves one layer and reuses
+the answer (TePDist's idea)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nnscaler.errors import PlanError
+from nnscaler.graph.ir import Graph
+from nnscaler.policies.staging import default_pivots, pivot_starts
+
+__all__ = ["LayerFold", "fold_layers", "layer_instances"]
+
+
+@dataclass
+class LayerFold:
+    """Node name -> representative node name, and how many nodes each representative stands for."""
+
+    rep: dict[str, str] = field(default_factory=dict)
+    count: dict[str, int] = field(default_factory=dict)
+    instances: list[tuple[str, list[int]]] = field(default_factory=list)
+    """(module path, node indices) of every layer instance, in graph order."""
+    pivots: tuple[str, ...] = ()
+
+    def represented(self) -> list[str]:
+        """Representative node names in graph order."""
+        return list(self.count)
+
+
+def layer_instances(
+    graph: Graph, pivots: tuple[str, ...] | None = None
+) -> tuple[tuple[str, ...], list[tuple[str, list[int]]]]:
+    """The pivot classes and every instance's (path, node indices); ((), []) when none are found."""
+    try:
+        pivots = tuple(pivots) if pivots else default_pivots(graph)
+        starts = pivot_starts(graph, pivots)
+    except PlanError:
+        return (), []
+    out = []
+    for _, path in starts:
+        idx = [
+            i
+            for i, n in enumerate(graph.nodes)
+            if n.module_path == path or n.module_path.startswith(path + ".")
+        ]
+        out.append((path, idx))
+    return pivots, out
+
+
+def _signature(graph: Graph, idx: list[int]) -> tuple:
+    sig = []
+    for i in idx:
+        n = graph.nodes[i]
+        ins = tuple(graph.values[r].meta.shape for r in n.input_names() if graph.values[r].meta is not None)
+        outs = tuple(graph.values[o].meta.shape if graph.values[o].meta else None for o in n.outputs)
+        sig.append((n.op, ins, outs))
+    return tuple(sig)
+
+
+def fold_layers(graph: Graph, pivots: tuple[str, ...] | None = None, enabled: bool = True) -> LayerFold:
+    """Fold repeated layer instances onto their first instance (identity when `enabled` is False)."""
+    fold = LayerFold()
+    pivots, instances = layer_instances(graph, pivots) if enabled else ((), [])
+    fold.instances, fold.pivots = instances, pivots
+    first_of: dict[tuple, list[int]] = {}
+    for _, idx in instances:
+        sig = _signature(graph, idx)
+        base = first_of.setdefault(sig, idx)
+        for i, j in zip(idx, base):
+            fold.rep[graph.nodes[i].name] = graph.nodes[j].name
+    for n in graph.nodes:
+        r = fold.rep.setdefault(n.name, n.name)
+        fold.count[r] = fold.count.get(r, 0) + 1
+    return fold

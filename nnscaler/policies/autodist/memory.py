@@ -1,0 +1,57 @@
+"""The memory model: parameters, gradients and optimizer state by ZeRO stage and precision,
+activations kept for backward (none inside recomputed modules), and transient buffers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nnscaler.policies.autodist.comm import all_gather, all_reduce, reduce_scatter
+from nnscaler.policies.autodist.cost import CostContext
+
+__all__ = ["MemoryModel"]
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes per device as a function of what a plan keeps where."""
+
+    zero_stage: int = 0
+    """0: no ZeRO; 1: optimizer state sharded over data-parallel replicas; 2: also gradients; 3: also
+    parameters (gathered around their use)."""
+    optimizer_bytes_per_param_byte: float = 2.0
+    """Optimizer state per byte of weights: Adam keeps two moments (2.0 for fp32 weights)."""
+    mixed_precision: bool = False
+    """bf16/fp16 weights with fp32 master weights: optimizer state and master copy are fp32 (x2 bytes)."""
+    activation_factor: float = 1.0
+    """Multiplies saved activations (e.g. micro-batches in flight in a pipeline stage)."""
+    transient_mem_coef: float = 2.0
+    """Transient buffers (communication, the largest op's workspace) as a multiple of the largest
+    activation of a step (nnScaler's `transient_mem_coef`)."""
+
+    def param_state_bytes(self, weight_bytes: float, ctx: CostContext) -> float:
+        """Weights + gradients + optimizer state of `weight_bytes` of local weights."""
+        dp = max(ctx.dp_size, 1)
+        opt = weight_bytes * self.optimizer_bytes_per_param_byte
+        if self.mixed_precision:
+            opt = weight_bytes * (2 * self.optimizer_bytes_per_param_byte + 2)  # fp32 moments + master
+        grads = weight_bytes
+        weights = weight_bytes
+        if self.zero_stage >= 1:
+            opt /= dp
+        if self.zero_stage >= 2:
+            grads /= dp
+        if self.zero_stage >= 3:
+            weights /= dp
+        return weights + grads + opt if ctx.training else weights
+
+    def grad_sync_time(self, weight_bytes: float, ctx: CostContext) -> float:
+        """Seconds to synchronise `weight_bytes` of gradients across data-parallel replicas."""
+        if not ctx.training or ctx.dp_size <= 1:
+            return 0.0
+        link = ctx.dp_link
+        if self.zero_stage >= 1:  # reduce-scatter the gradients, all-gather the updated weights
+            t = reduce_scatter(weight_bytes, ctx.dp_size, link) + all_gather(weight_bytes, ctx.dp_size, link)
+            if self.zero_stage >= 3:  # weights gathered again for backward
+                t += all_gather(weight_bytes, ctx.dp_size, link)
+            return t
+        return all_reduce(weight_bytes, ctx.dp_size, link)

@@ -1,0 +1,119 @@
+"""`pas_policy='autodist'`: search the plan (SPMD partition x pipeline) with the analytic cost model
+for the cluster in pas_config['cluster'], honouring the constraints in pas_config."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from nnscaler.config import ComputeConfig
+from nnscaler.errors import PlanError
+from nnscaler.graph.ir import Graph
+from nnscaler.policies.autodist.cluster import ClusterSpec, load_cluster
+from nnscaler.policies.autodist.constraints import PartitionConstraints, load_constraints
+from nnscaler.policies.autodist.cost import traced_batch_size
+from nnscaler.policies.autodist.memory import MemoryModel
+from nnscaler.policies.autodist.planio import load_plan, save_plan
+from nnscaler.policies.autodist.search import Candidate, PlannerSetup, search
+from nnscaler.policies.options import AutodistOptions
+from nnscaler.policies.plan import NodePlan, PipelinePlan, Plan
+from nnscaler.policies.recompute import recompute_paths
+from nnscaler.policies.staging import parse_pivots
+
+__all__ = ["pas_autodist", "planner_setup", "plan_from_candidate", "default_cluster"]
+
+
+def default_cluster() -> ClusterSpec:
+    """This machine: its GPU kind in an 8-device node when CUDA is present, else CPU over gloo."""
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        kind = next((k for k in ("h200", "h100", "a100", "mi300x") if k in name), "h100")
+        return load_cluster(
+            {"device": kind, "nodes": 1, "devices_per_node": max(torch.cuda.device_count(), 1)}
+        )
+    return load_cluster("cpu_gloo")
+
+
+def planner_setup(graph: Graph, cfg: ComputeConfig, opts: AutodistOptions | None = None) -> PlannerSetup:
+    """The search's inputs from a ComputeConfig and its pas_config."""
+    opts = opts or AutodistOptions.from_pas_config(cfg.pas_config, strict=False)
+    cluster = load_cluster(opts.cluster) if opts.cluster else default_cluster()
+    zero = opts.zero_stage if opts.zero_stage is not None else (cfg.zero_stage if cfg.use_zero else 0)
+    if zero not in (0, 1, 2, 3):
+        raise PlanError(f"pas_config['zero_stage'] must be 0, 1, 2 or 3, got {zero!r}")
+    dtype = "bfloat16" if opts.use_bf16 else ("float16" if opts.use_fp16 else None)
+    memory = MemoryModel(zero, mixed_precision=dtype is not None, transient_mem_coef=opts.transient_mem_coef)
+    limit_gb = opts.mem_constraint if opts.mem_constraint is not None else 0.8 * cluster.device.memory_gb
+    constraints = (
+        load_constraints(opts.partition_constraints) if opts.partition_constraints else PartitionConstraints()
+    )
+    if opts.partition_constraints_path:
+        more = load_constraints(opts.partition_constraints_path)
+        constraints = PartitionConstraints(constraints.rules + more.rules)
+    if opts.pipeline_stages:
+        raise PlanError(
+            "pas_config['pipeline_stages'] is not read by autodist (it places stages itself): give "
+            "pipeline_nstages and pipeline_pivots to constrain it, or use policy 'hybrid'"
+        )
+    return PlannerSetup(
+        cluster=cluster,
+        plan_ngpus=cfg.plan_ngpus,
+        dp_size=cfg.runtime_ngpus // cfg.plan_ngpus,
+        memory=memory,
+        mem_limit=limit_gb * 1e9,
+        constraints=constraints,
+        recompute=recompute_paths(graph, opts.recompute_modules),
+        pivots=parse_pivots(opts.pipeline_pivots) or None,
+        training=not cfg.inference_only,
+        compute_dtype=dtype,
+        traced_batch=traced_batch_size(graph),
+        solver=opts.solver,
+        end2end=cfg.use_end2end,
+        nstages=None if opts.pipeline_nstages == "auto" else opts.pipeline_nstages,
+        nmicros=opts.pipeline_nmicros,
+    )
+
+
+def plan_from_candidate(graph: Graph, cand: Candidate, setup: PlannerSetup, scheduler: str = "1f1b") -> Plan:
+    nodes = {
+        name: (NodePlan(p.split, p.ways, p.blocks) if p.split is not None and p.ways > 1 else NodePlan())
+        for name, p in cand.spmd.plans.items()
+    }
+    pipeline = None
+    if cand.pp > 1:
+        pipeline = PipelinePlan(
+            tuple(graph.nodes[i].name for i in cand.starts),
+            cand.pp,
+            cand.nmicros,
+            scheduler,
+            tuple(setup.pivots or ()),
+        )
+    note = (
+        f"autodist: {cand.label()} on {setup.cluster.name or setup.cluster.device.name}; predicted "
+        f"{cand.step_time * 1e3:.3f} ms per step, {cand.memory / 1e9:.3f} GB on the fullest device"
+    )
+    return Plan("autodist", setup.plan_ngpus, nodes, (note,), tuple(cand.recompute_paths), pipeline)
+
+
+def pas_autodist(graph: Graph, cfg: ComputeConfig) -> Plan:
+    """The searched plan (see the module docstring and docs/autodist.md)."""
+    opts = AutodistOptions.from_pas_config(cfg.pas_config, strict=False)
+    if opts.load_plan_path:
+        plan = load_plan(opts.load_plan_path, graph, cfg.plan_ngpus)
+        return replace(plan, policy="autodist")
+    setup = planner_setup(graph, cfg, opts)
+    best, _ = search(graph, setup)
+    plan = plan_from_candidate(graph, best, setup, opts.pipeline_scheduler)
+    if opts.save_plan_path:
+        save_plan(
+            plan,
+            opts.save_plan_path,
+            {
+                "config": best.label(),
+                "step_seconds": best.step_time,
+                "memory_bytes": best.memory,
+                "cluster": setup.cluster.name,
+            },
+        )
+    return plan

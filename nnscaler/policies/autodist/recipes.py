@@ -1,0 +1,54 @@
+"""Standard recipes costed with the same model, for the report: data parallel with ZeRO 1/2/3, and
+Megatron-style tensor parallel x pipeline (1F1B) x data parallel over all valid degrees."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from nnscaler.config import ComputeConfig
+from nnscaler.errors import PlanError
+from nnscaler.graph.ir import Graph
+from nnscaler.policies.autodist.evaluate import evaluate_nodes
+from nnscaler.policies.autodist.layers import layer_instances
+from nnscaler.policies.autodist.search import Candidate, PlannerSetup, divisors
+from nnscaler.policies.staging import balanced_starts
+from nnscaler.policies.tp import pas_tp
+
+__all__ = ["Recipe", "standard_recipes"]
+
+
+@dataclass
+class Recipe:
+    name: str
+    candidate: Candidate
+    fits: bool
+
+
+def standard_recipes(graph: Graph, setup: PlannerSetup, ndevices: int, nmicros: int = 1) -> list[Recipe]:
+    """DP+ZeRO over `ndevices`, and Megatron TP x PP x DP splitting them (tp within a node)."""
+    out: list[Recipe] = []
+    for zero in (1, 2, 3):
+        s = replace(setup, plan_ngpus=1, dp_size=ndevices, memory=replace(setup.memory, zero_stage=zero))
+        cand = evaluate_nodes(graph, s, {}, nmicros=nmicros)
+        out.append(Recipe(f"DP x{ndevices} + ZeRO-{zero}", cand, cand.memory <= setup.mem_limit))
+    _, instances = layer_instances(graph, setup.pivots)
+    layer_starts = [idx[0] for _, idx in instances]
+    for tp in divisors(ndevices):
+        if tp > setup.cluster.devices_per_node:
+            continue
+        tp_nodes = pas_tp(graph, ComputeConfig(tp, tp)).nodes if tp > 1 else {}
+        for pp in divisors(ndevices // tp):
+            if pp > 1 and (not setup.end2end or pp > len(layer_starts)):
+                continue
+            dp = ndevices // (tp * pp)
+            if tp == 1 and pp == 1:
+                continue
+            s = replace(setup, plan_ngpus=tp * pp, dp_size=dp)
+            m = max(nmicros, pp) if pp > 1 else nmicros
+            try:
+                starts = balanced_starts(graph, layer_starts[1:], pp) if pp > 1 else None
+                cand = evaluate_nodes(graph, s, tp_nodes, pp=pp, starts=starts, nmicros=m)
+            except PlanError:
+                continue
+            out.append(Recipe(f"Megatron TP{tp} x PP{pp} x DP{dp}", cand, cand.memory <= setup.mem_limit))
+    return out

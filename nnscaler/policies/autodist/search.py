@@ -1,0 +1,221 @@
+"""The outer search: pipeline stages x tensor-parallel degree x micro-batches x recompute, each
+scored for the whole step (stage times, bubble, gradient sync), the inner partition of every stage
+from the SPMD search."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from nnscaler.errors import PlanError
+from nnscaler.graph.ir import Graph
+from nnscaler.policies.autodist.cluster import ClusterSpec
+from nnscaler.policies.autodist.comm import send_recv
+from nnscaler.policies.autodist.constraints import PartitionConstraints
+from nnscaler.policies.autodist.cost import CostContext
+from nnscaler.policies.autodist.layers import layer_instances
+from nnscaler.policies.autodist.memory import MemoryModel
+from nnscaler.policies.autodist.pipeline_dp import stage_dp
+from nnscaler.policies.autodist.spmd import SpmdResult, solve_spmd
+
+__all__ = ["PlannerSetup", "Candidate", "search", "divisors"]
+
+
+@dataclass(frozen=True)
+class PlannerSetup:
+    """Everything the search needs besides the graph."""
+
+    cluster: ClusterSpec
+    plan_ngpus: int
+    dp_size: int = 1
+    memory: MemoryModel = field(default_factory=MemoryModel)
+    mem_limit: float = math.inf
+    """Bytes per device."""
+    constraints: PartitionConstraints = field(default_factory=PartitionConstraints)
+    recompute: tuple[str, ...] = ()
+    """Module paths the user asked to recompute (pas_config recompute_modules)."""
+    pivots: tuple[str, ...] | None = None
+    training: bool = True
+    compute_dtype: str | None = None
+    traced_batch: int = 0
+    solver: str = "auto"
+    end2end: bool = False
+    nstages: int | None = None
+    """Pipeline stages: None searches (1 = no pipeline)."""
+    nmicros: int | None = None
+    """Micro-batches per step: None searches (1 without a pipeline)."""
+
+
+@dataclass
+class Candidate:
+    """One scored configuration of the plan devices."""
+
+    pp: int
+    tp: int
+    nmicros: int
+    recompute: bool
+    step_time: float
+    """Seconds per step of `nmicros` micro-batches."""
+    memory: float
+    """Bytes on the fullest device."""
+    spmd: SpmdResult
+    starts: list[int] = field(default_factory=list)
+    """Node index where each pipeline stage starts (pp > 1)."""
+    stage_times: list[float] = field(default_factory=list)
+    recompute_paths: tuple[str, ...] = ()
+
+    @property
+    def time_per_micro(self) -> float:
+        return self.step_time / self.nmicros
+
+    def label(self) -> str:
+        rc = ", recompute" if self.recompute else ""
+        return f"pp={self.pp} tp={self.tp} nmicros={self.nmicros}{rc}"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _ctx(setup: PlannerSetup, ways: int) -> CostContext:
+    return CostContext(
+        setup.cluster,
+        ways=ways,
+        dp_size=setup.dp_size,
+        dp_stride=setup.plan_ngpus,
+        training=setup.training,
+        compute_dtype=setup.compute_dtype,
+        traced_batch=setup.traced_batch,
+    )
+
+
+def _transient(graph: Graph, ctx: CostContext, setup: PlannerSetup) -> float:
+    largest = max((ctx.value_bytes(graph, v) for v in graph.values if graph.values[v].meta), default=0.0)
+    return setup.memory.transient_mem_coef * largest / max(ctx.ways, 1)
+
+
+def _spmd_candidate(graph: Graph, setup: PlannerSetup, layer_paths: tuple[str, ...]) -> Candidate:
+    ctx = _ctx(setup, setup.plan_ngpus)
+    m = setup.nmicros or 1
+    limit = setup.mem_limit - _transient(graph, ctx, setup)
+    tries = [(False, setup.recompute)]
+    if not setup.recompute and layer_paths and setup.training:
+        tries.append((True, layer_paths))
+    error: PlanError | None = None
+    for rc, paths in tries:
+        try:
+            res = solve_spmd(
+                graph,
+                ctx,
+                setup.memory,
+                constraints=setup.constraints,
+                mem_limit=None if math.isinf(limit) else limit,
+                recompute=paths,
+                pivots=setup.pivots,
+                solver=setup.solver,
+                nmicros=m,
+            )
+        except PlanError as exc:
+            error = exc
+            continue
+        factor = 4.0 / 3.0 if rc else 1.0
+        step = res.time * m * factor + res.sync
+        return Candidate(1, setup.plan_ngpus, m, rc, step, res.memory, res, recompute_paths=paths)
+    raise error
+
+
+def _segments(graph: Graph, instances: list[tuple[str, list[int]]]) -> list[int]:
+    """First node index of every segment: the graph start, then each layer instance after the first."""
+    return [0] + [idx[0] for _, idx in instances[1:]]
+
+
+def _pipeline_candidates(
+    graph: Graph, setup: PlannerSetup, instances, layer_paths: tuple[str, ...]
+) -> list[Candidate]:
+    out: list[Candidate] = []
+    seg_starts = _segments(graph, instances)
+    nseg = len(seg_starts)
+    bounds = seg_starts + [len(graph.nodes)]
+    cache: dict[int, SpmdResult] = {}
+    for pp in divisors(setup.plan_ngpus):
+        if pp == 1 or pp > nseg or (setup.nstages is not None and setup.nstages != pp):
+            continue
+        tp = setup.plan_ngpus // pp
+        ctx = _ctx(setup, tp)
+        if tp not in cache:
+            cache[tp] = solve_spmd(
+                graph,
+                ctx,
+                setup.memory,
+                constraints=setup.constraints,
+                recompute=setup.recompute,
+                pivots=setup.pivots,
+                solver=setup.solver,
+            )
+        res = cache[tp]
+        seg_time, seg_act, seg_param, seg_sync, seg_in = [], [], [], [], []
+        for k in range(nseg):
+            names = [graph.nodes[i].name for i in range(bounds[k], bounds[k + 1])]
+            seg_time.append(sum(res.node_time[n] for n in names))
+            seg_act.append(sum(res.choice[n].activation_bytes for n in names))
+            seg_param.append(sum(res.node_memory[n] - res.choice[n].activation_bytes for n in names))
+            seg_sync.append(sum(res.node_sync[n] for n in names))
+            first = graph.nodes[bounds[k]]
+            seg_in.append(max((ctx.value_bytes(graph, r) for r in first.input_names()), default=0.0) / tp)
+        limit = setup.mem_limit - _transient(graph, ctx, setup)
+        micro_options = [setup.nmicros] if setup.nmicros else [pp, 2 * pp, 4 * pp]
+        rc_options = [bool(setup.recompute)] if setup.recompute else [False, True]
+        for rc in rc_options:
+            times = [t * 4.0 / 3.0 for t in seg_time] if rc and not setup.recompute else seg_time
+            acts = seg_in if rc and not setup.recompute else seg_act
+            for m in micro_options:
+                t_max, starts = stage_dp(times, acts, seg_param, pp, m, limit)
+                if math.isinf(t_max):
+                    continue
+                stage_bounds = starts + [nseg]
+                stage_times = [sum(times[stage_bounds[s] : stage_bounds[s + 1]]) for s in range(pp)]
+                sync = max(sum(seg_sync[stage_bounds[s] : stage_bounds[s + 1]]) for s in range(pp))
+                hop = max(seg_in) * tp  # one boundary activation, whole
+                p2p = 2 * (pp - 1) * send_recv(hop / tp, 2, setup.cluster.link(2, tp))
+                step = (m + pp - 1) * t_max + p2p + sync
+                mem = max(
+                    sum(seg_param[stage_bounds[s] : stage_bounds[s + 1]])
+                    + sum(acts[stage_bounds[s] : stage_bounds[s + 1]]) * min(pp - s, m)
+                    for s in range(pp)
+                )
+                out.append(
+                    Candidate(
+                        pp,
+                        tp,
+                        m,
+                        rc,
+                        step,
+                        mem,
+                        res,
+                        [seg_starts[i] for i in starts],
+                        stage_times,
+                        layer_paths if rc and not setup.recompute else setup.recompute,
+                    )
+                )
+    return out
+
+
+def search(graph: Graph, setup: PlannerSetup) -> tuple[Candidate, list[Candidate]]:
+    """The best configuration (by time per micro-batch) and every configuration scored."""
+    pivots, instances = layer_instances(graph, setup.pivots)
+    layer_paths = tuple(p for p, _ in instances)
+    setup = replace(setup, pivots=pivots or setup.pivots)
+    scored: list[Candidate] = []
+    errors: list[str] = []
+    if setup.nstages in (None, 1):
+        try:
+            scored.append(_spmd_candidate(graph, setup, layer_paths))
+        except PlanError as exc:
+            errors.append(str(exc))
+    if setup.end2end and setup.training and setup.nstages != 1 and len(instances) > 1:
+        scored.extend(_pipeline_candidates(graph, setup, instances, layer_paths))
+    if not scored:
+        why = errors[0] if errors else "no configuration fits the memory limit"
+        raise PlanError(f"autodist: {why}")
+    best = min(scored, key=lambda c: (c.time_per_micro, c.pp, -c.tp, c.recompute))
+    return best, scored
