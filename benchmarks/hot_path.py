@@ -8,7 +8,9 @@ configuration, run one warm-up step, then count the host reads of tensor values
 (there `torch.cuda.set_sync_debug_mode("warn")` is the real check; with --cuda on a GPU machine
 the warnings are counted too). A pipeline's `train_step` runs forward and backward together:
 counted as `forward_backward`. Reads made by torch.optim itself (AdamW's `step` counters, on the
-CPU even under CUDA) are reported apart (`*_torch_optim_cpu_reads`). Prints one JSON line per configuration with the counts and the
+CPU even under CUDA) are reported apart (`*_torch_optim_cpu_reads`), as are reads of values that live
+on the host under CUDA too (`*_host_only_reads`: the per-call input-shape check of a multi-device
+plan, exchanged over a gloo twin of the plan group). Prints one JSON line per configuration with the counts and the
 code sites (target: 0 in forward / backward, at most 1 per optimizer step).
 
     python benchmarks/hot_path.py [--configs dp,tp,pp,zero1,zero2,zero3]
@@ -33,12 +35,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples.nanogpt.model import GPT, GPTConfig  # noqa: E402
 
 WORLD = 2
-KNOWN_SITE = "runtime/preflight.py"
-KNOWN = (
-    "runtime/preflight.py: the per-call input-shape check of a tensor-parallel plan all-gathers a "
-    "shape digest and reads it (tolist): a GPU sync on NCCL (it would need a gloo side group), "
-    "not one on gloo"
-)
 CONFIGS = ("dp", "tp", "pp", "zero1", "zero2", "zero3")
 
 
@@ -81,10 +77,10 @@ class _Counter:
             self.result[f"{name}_cuda_warnings"] = sum("synchroniz" in str(w.message) for w in caught)
         if syncs.torch_optim:
             self.result[f"{name}_torch_optim_cpu_reads"] = syncs.torch_optim
+        if syncs.host_only:  # reads of CPU tensors (gloo-side checks): no device sync under CUDA either
+            self.result[f"{name}_host_only_reads"] = syncs.host_only
         if syncs.sites:
             self.result["sites"][name] = dict(syncs.sites)
-        if any(KNOWN_SITE in site for site in syncs.sites):
-            self.result["known"] = KNOWN
         return out
 
 

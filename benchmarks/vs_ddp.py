@@ -1,8 +1,8 @@
 """Step time of nnscaler's data parallelism against torch DistributedDataParallel.
 
 Two gloo processes (spawned here, FileStore rendezvous) train the same ~20M-parameter nanoGPT with
-AdamW: once compiled with `nnscaler.parallelize(model, dummy, 'dp', ComputeConfig(1, 2,
-use_async_reducer=True))` and `nnscaler.build_optimizer`, once wrapped in
+AdamW: once compiled with `nnscaler.parallelize(model, dummy, 'dp', ComputeConfig(1, 2))` (defaults:
+overlapped bucketed reduction) and `nnscaler.build_optimizer`, once wrapped in
 `torch.nn.parallel.DistributedDataParallel`. Prints JSON with the median step times and their
 ratio (target: nnscaler / DDP <= 1.0).
 
@@ -46,7 +46,7 @@ def worker(rank: int, world: int, tmp: str, args: argparse.Namespace) -> None:
     ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
     ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
     data = batch(args, seed=1000 + rank)
-    cfg = ComputeConfig(1, world, use_async_reducer=True, reducer_bucket_cap_mb=args.bucket_cap_mb)
+    cfg = ComputeConfig(1, world, reducer_bucket_cap_mb=args.bucket_cap_mb)
     pm = nnscaler.parallelize(model, data, "dp", cfg, gen_savedir=os.path.join(tmp, "gen"))
     nn_opt = nnscaler.build_optimizer(pm, torch.optim.AdamW, lr=1e-4)
     n = nparams(model)

@@ -18,13 +18,14 @@ import collections
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["HostSyncs", "count_host_syncs", "SYNC_METHODS"]
+__all__ = ["HostSyncs", "count_host_syncs", "host_only", "SYNC_METHODS"]
 
 SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
 """The torch.Tensor methods counted as host syncs."""
@@ -42,6 +43,23 @@ class HostSyncs:
     """'method file:line' of the first caller outside torch -> calls."""
     torch_optim: int = 0
     """Reads made by torch.optim itself (its CPU `step` counters), not in `count`."""
+    host_only: int = 0
+    """Reads of tensors that live on the host under CUDA too (inside `host_only()`), not in `count`."""
+
+
+_HOST_ONLY = threading.local()
+
+
+@contextlib.contextmanager
+def host_only() -> Iterator[None]:
+    """Mark reads inside the block as reads of CPU tensors (e.g. a check exchanged over a gloo group):
+    no device sync on any device, so `count_host_syncs` counts them apart."""
+    depth = getattr(_HOST_ONLY, "depth", 0)
+    _HOST_ONLY.depth = depth + 1
+    try:
+        yield
+    finally:
+        _HOST_ONLY.depth = depth
 
 
 def _site(method: str) -> str:
@@ -57,6 +75,8 @@ def _counting(method: str, original: Callable[..., Any], syncs: HostSyncs) -> Ca
     def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if sys._getframe(1).f_code.co_filename.startswith(_OPTIM_DIR):
             syncs.torch_optim += 1
+        elif getattr(_HOST_ONLY, "depth", 0):
+            syncs.host_only += 1
         else:
             syncs.count += 1
             syncs.sites[_site(method)] += 1

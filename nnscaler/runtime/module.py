@@ -30,7 +30,7 @@ from nnscaler.config import ComputeConfig
 from nnscaler.runtime import preflight, shapes
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.end2end import EndToEndMixin
-from nnscaler.runtime.groups import create_groups, get_group
+from nnscaler.runtime.groups import create_groups, create_host_groups, get_group, get_host_group
 from nnscaler.runtime.reducer import Reducer, build_reducer, first_holders, grad_sq_norm, scale_grads
 from nnscaler.runtime.shard import Shard, local_shape, normalize_shard, shard_slice
 from nnscaler.runtime.zero3 import Zero3Reducer, build_zero3
@@ -142,6 +142,8 @@ class ParallelModule(EndToEndMixin, nn.Module):
         """ZeRO stage 3 (the reducer, once built): hands out gathered parameters, see `__getattr__`."""
         self._tied: dict[str, list[int]] = {}  # see EndToEndMixin.add_tied
         create_groups([*all_groups, *self._implied_groups()])
+        if plan_ngpus > 1:  # the per-call input-shape check runs over the plan's ranks on the host
+            create_host_groups([list(range(s, s + plan_ngpus)) for s in range(0, world_size, plan_ngpus)])
         self._in_step = False  # inside train_step / infer_step: forward skips the checks made there
         self.register_forward_pre_hook(_before_forward, with_kwargs=True)
         self.register_forward_hook(_after_forward, always_call=True)
@@ -170,7 +172,7 @@ class ParallelModule(EndToEndMixin, nn.Module):
                 owner,
                 what,
                 named_inputs(),
-                self.group("plan"),
+                get_host_group(self._plan_ranks()),
                 rank=self.rank,
                 plan_ngpus=self.plan_ngpus,
                 world_size=self.world_size,

@@ -5,7 +5,9 @@ aborts on and NCCL may hang on).
 The shape check costs one all-gather of a single int64 (a digest of the input shapes) per call: a
 rank cannot skip it when its own shapes repeat, since a peer's may have changed (the last, smaller
 batch of an epoch), and that peer would then pair its check with this rank's first model
-collective. The shapes themselves are gathered only when the digests differ, to name them.
+collective. The shapes themselves are gathered only when the digests differ, to name them. The
+exchange runs over a gloo twin of the plan group (groups.create_host_groups) on CPU tensors: on NCCL
+it never makes the host wait for the GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from nnscaler.runtime.device import is_initialized, runtime_device
+from nnscaler.runtime.device import is_initialized
+from nnscaler.runtime.host_syncs import host_only
 
 __all__ = ["require_process_group", "check_plan_inputs", "named_call_inputs"]
 
@@ -90,15 +93,18 @@ def check_plan_inputs(
     world_size: int,
 ) -> None:
     """Raise on every rank of `group` (the ranks running one copy of the plan) unless all got tensors of
-    the same shapes. Collective over `group`; a no-op when it is None (one rank, or no process group)."""
+    the same shapes. Collective over `group`, a gloo group (groups.get_host_group): the digests are CPU
+    tensors, so the check never waits for the GPU. A no-op when `group` is None (one rank)."""
     if group is None:
         return
     shapes = list(_tensor_shapes(named_inputs))
-    mine = torch.tensor([_digest(shapes)], dtype=torch.int64, device=runtime_device())
+    mine = torch.tensor([_digest(shapes)], dtype=torch.int64)
     size = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(gathered, mine, group=group)
-    if len(set(torch.cat(gathered).tolist())) == 1:
+    with host_only():  # a CPU tensor under CUDA too: not a device sync
+        agree = len(set(torch.cat(gathered).tolist())) == 1
+    if agree:
         return
     everyone: list[Any] = [None] * size
     dist.all_gather_object(everyone, shapes, group=group)
