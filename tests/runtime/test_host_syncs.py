@@ -82,3 +82,33 @@ def test_dp_clip_and_loss_scaled_step_syncs() -> None:
         assert count <= 1, f"rank {rank}: {count} host reads in one optimizer step (at most 1): {sites}"
         torch.testing.assert_close(res["norm"], res["want"], rtol=2e-2, atol=1e-3)
         assert not res["skipped"]
+
+
+def _tp_worker(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from nnscaler.runtime.groups import get_group, get_host_group
+
+    torch.manual_seed(0)
+    ref = Ref()
+    pm = Gen(rank, world, plan=world)  # tensor parallel over both ranks: inputs checked every call
+    pm.load_merged_state_dict({**ref.state_dict(), "freq": ref.freq})
+    x, t = torch.randn(BATCH, D), torch.randn(BATCH, D)
+    counts = []
+    for _ in range(2):
+        with count_host_syncs() as syncs:
+            pm(x, t).backward()
+        counts.append((syncs.count, syncs.host_only, dict(syncs.sites)))
+    host = get_host_group([0, 1])
+    assert host is not None and dist.get_backend(host) == "gloo"
+    assert host is get_group([0, 1]), "under gloo the host twin is the plan group itself"
+    return {"counts": counts}
+
+
+def test_tp_forward_backward_has_no_device_syncs() -> None:
+    """The per-call input-shape agreement check of a multi-rank plan reads its all-gathered digest on
+    the host, over a gloo twin of the plan group: counted apart (host_only), never a device sync."""
+    for rank, res in enumerate(run_dist(_tp_worker, 2)):
+        for count, host_only, sites in res["counts"]:
+            assert count == 0, f"rank {rank}: host reads in forward/backward: {sites}"
+            assert host_only == 1, f"rank {rank}: expected the one shape-digest read, got {host_only}"
