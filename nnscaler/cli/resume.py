@@ -14,6 +14,7 @@ policy or GPU count) the saved ranks' state dicts are merged into single-device 
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ from nnscaler.runtime import (
     load_sharded_state_dict,
     merge_state_dicts,
 )
+from nnscaler.runtime.checkpoint_keys import module_keys
 from nnscaler.version import __version__
 
 if TYPE_CHECKING:
@@ -188,8 +190,11 @@ def resume(trainer: Trainer) -> None:
     else:
         data = read_merged(path, convert)
         trainer.hook.on_load_checkpoint(trainer, data)
+        _check_keys(trainer, path, data["model"])
         try:
-            load_merged_state_dict(model, data["model"], opt, data["optimizer"])
+            with warnings.catch_warnings():  # keys were checked over all ranks above
+                warnings.simplefilter("ignore")
+                load_merged_state_dict(model, data["model"], opt, data["optimizer"], strict=False)
         except (CheckpointError, ValueError, RuntimeError, KeyError) as err:
             raise CheckpointError(f"checkpoint {path} does not fit this model: {err}") from err
         states = data["rng_states"]
@@ -202,6 +207,24 @@ def resume(trainer: Trainer) -> None:
     trainer.hook.after_load_checkpoint(trainer, data)
     if trainer.rank == 0:
         logger.info("resumed from %s at step %d", path, trainer.train_status["step"])
+
+
+def _check_keys(trainer: Trainer, path: Path, model_sd: dict[str, Any]) -> None:
+    """The merged state must hold every tensor of this rank and nothing that no rank holds (a rank of a
+    pipeline holds only its stage: the check is over the union of all ranks' keys)."""
+    keys = module_keys(trainer.model)
+    saved = {k for k in model_sd if not k.endswith("_extra_state")}
+    missing = sorted(names[0] for names in keys.tensors if not any(n in saved for n in names))
+    union = [keys.accepted]
+    if trainer.world_size > 1:
+        union = [None] * trainer.world_size
+        dist.all_gather_object(union, keys.accepted)
+    unexpected = sorted(saved - set().union(*union))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model: missing keys {missing[:10]}, unexpected keys "
+            f"{unexpected[:10]} (a checkpoint of another model, or of a model built with other arguments)"
+        )
 
 
 def merge_checkpoint(checkpoint_files: list[str] | str, output_file: str) -> None:

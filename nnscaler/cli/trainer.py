@@ -38,8 +38,9 @@ logger = logging.getLogger(__name__)
 
 
 class TrainStatus(dict):
-    """Counters saved in checkpoints: next_epoch, next_batch (micro-batches of that epoch already
-    consumed per replica), step (optimizer steps done), best_loss."""
+    """Counters saved in checkpoints: next_epoch, next_sample (samples of that epoch already consumed
+    by all replicas together, so a resume with another replica count starts at the same place), step
+    (optimizer steps done), best_loss."""
 
 
 def _to_device(value: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
@@ -112,7 +113,7 @@ class Trainer:
         self.lr_scheduler: Any = None
         self.loggers: list[Any] = []
         self.hook: Any = None
-        self.train_status = TrainStatus(next_epoch=0, next_batch=0, step=0, best_loss=math.inf)
+        self.train_status = TrainStatus(next_epoch=0, next_sample=0, step=0, best_loss=math.inf)
         self.rank, self.world_size = 0, 1
         self.pending_rng: dict[str, Any] | None = None
         self._saved_step = -1
@@ -245,6 +246,10 @@ class Trainer:
         n = len(self.loaders["train"][0])
         return n - n % self.train_args.update_freq if self.model.use_scheduler else n
 
+    def _replica_batches(self) -> int:
+        """Micro-batches of this epoch one replica has run."""
+        return self.train_status["next_sample"] // (self.train_args.micro_batch_size * self.num_replicas)
+
     def _aggregate(self, losses: list[torch.Tensor]) -> tuple[float, int]:
         """Sum of the micro-batch losses over every replica, and how many there were."""
         total = torch.stack([loss.detach().reshape(()) for loss in losses]).to(torch.float64).sum()
@@ -270,9 +275,9 @@ class Trainer:
             loader, sampler = self.loaders["train"]
             if sampler is not None:
                 sampler.set_epoch(epoch)
-                sampler.skip = status["next_batch"] * args.micro_batch_size
+                sampler.skip = status["next_sample"] // self.num_replicas
             self.hook.on_epoch_start(self, epoch)
-            idx = status["next_batch"] // args.update_freq
+            idx = status["next_sample"] // args.global_batch_size
             for chunk in self._micro_chunks("train"):
                 self._train_step(epoch, idx, chunk)
                 idx += 1
@@ -282,10 +287,10 @@ class Trainer:
                 ckpt = args.checkpoint
                 if ckpt.every_n_train_steps and status["step"] % ckpt.every_n_train_steps == 0:
                     _resume.save(self, epoch)
-                if done and status["next_batch"] < self._batches_per_epoch():
+                if done and self._replica_batches() < self._batches_per_epoch():
                     break
             else:
-                status["next_epoch"], status["next_batch"] = epoch + 1, 0
+                status["next_epoch"], status["next_sample"] = epoch + 1, 0
                 if self.lr_scheduler is not None and args.lr_scheduler.interval == "epoch":
                     self.lr_scheduler.step()
                 self.hook.on_epoch_end(self, epoch)
@@ -334,7 +339,7 @@ class Trainer:
         opt.zero_grad()
         hook.after_zero_grad(self)
         status["step"] += 1
-        status["next_batch"] += n
+        status["next_sample"] += count * args.micro_batch_size
         self.losses.append(loss)
         wall = time.perf_counter() - t0
         metrics = {
