@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -113,6 +114,16 @@ def solve_spmd(
     recomputed (not kept). fixed: node name -> plan that must be taken (a loaded plan). nmicros:
     micro-batches per step (gradient sync happens once per step, everything else per micro-batch).
     """
+    with warnings.catch_warnings():  # PuLP 3.3 announces PuLP 4's API changes on every variable
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _solve(
+            graph, ctx, memory, constraints, mem_limit, recompute, pivots, fold, solver, fixed, nmicros
+        )
+
+
+def _solve(
+    graph, ctx, memory, constraints, mem_limit, recompute, pivots, fold, solver, fixed, nmicros
+) -> SpmdResult:
     memory = memory or MemoryModel()
     folded = fold_layers(graph, pivots, enabled=fold)
     names = {n.name for n in graph.nodes}
@@ -293,7 +304,7 @@ def solve_spmd(
         {
             "binaries": len(x),
             "continuous": nvars_y,
-            "constraints": len(prob.constraints),
+            "constraints": prob.numConstraints(),
             "nodes": len(graph.nodes),
             "folded_nodes": len(reps),
             "build_seconds": build_s,
