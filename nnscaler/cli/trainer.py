@@ -117,6 +117,7 @@ class Trainer:
         self.rank, self.world_size = 0, 1
         self.pending_rng: dict[str, Any] | None = None
         self._saved_step = -1
+        self._val_step = -1
         self.last_val_loss: float | None = None
         self.losses: list[float] = []
         """The aggregated loss of each optimizer step of this run (every rank)."""
@@ -358,6 +359,9 @@ class Trainer:
     def _validate(self) -> float | None:
         if "val" not in self.loaders:
             return None
+        if self._val_step == self.train_status["step"]:  # validated at this step already
+            return self.last_val_loss
+        self._val_step = self.train_status["step"]
         args = self.train_args
         self.hook.on_val_start(self)
         self.model.eval()
