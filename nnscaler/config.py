@@ -69,6 +69,9 @@ class ComputeConfig:
     zero_stage: int = field(default=1, kw_only=True)
     """ZeRO stage when use_zero: 1 shards optimizer state, 2 also gradients (reduce-scatter, overlapped),
     3 also parameters (each block all-gathered just in time in forward and backward, prefetched)."""
+    zero3_prefetch_blocks: int = field(default=1, kw_only=True)
+    """ZeRO stage 3: blocks gathered ahead of the one computing, in forward and in backward (0: none).
+    More hides more gather latency at the cost of that many more gathered blocks in memory."""
     reduce_grads_in_fp32: bool = field(default=False, kw_only=True)
     """Keep and reduce the gradients of bf16 / fp16 parameters in fp32 (the reducer's buckets); the
     optimizer reads them from `param.main_grad`, so use MixedPrecisionAdam / MixedPrecisionAdamW."""
@@ -110,6 +113,10 @@ class ComputeConfig:
             raise ConfigError(
                 "ComputeConfig.zero_stage must be 1 (shard optimizer state), 2 (also gradients) or 3 (also "
                 f"parameters), got {self.zero_stage!r}"
+            )
+        if not isinstance(self.zero3_prefetch_blocks, int) or self.zero3_prefetch_blocks < 0:
+            raise ConfigError(
+                f"ComputeConfig.zero3_prefetch_blocks must be an int >= 0, got {self.zero3_prefetch_blocks!r}"
             )
         if self.use_zero and (self.runtime_ngpus // self.plan_ngpus) % self.zero_ngroups:
             raise ConfigError(

@@ -9,11 +9,19 @@ import torch.distributed as dist
 from nnscaler.runtime.device import is_initialized
 from nnscaler.runtime.timeouts import group_timeout
 
-__all__ = ["create_groups", "get_group", "create_host_groups", "get_host_group", "clear_groups"]
+__all__ = [
+    "create_groups",
+    "get_group",
+    "create_twin_groups",
+    "get_twin_group",
+    "create_host_groups",
+    "get_host_group",
+    "clear_groups",
+]
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-_HOST_GROUPS: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-"""gloo twins of groups, for checks whose values live on the host (no device sync on NCCL)."""
+_TWINS: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup | None] = {}
+"""(purpose, ranks) -> a second communicator over those ranks (`create_twin_groups`)."""
 _WORLD: list[object] = [None]  # the default group the cache belongs to
 
 
@@ -21,7 +29,7 @@ def _check_world() -> None:
     world = dist.group.WORLD if is_initialized() else None
     if world is not _WORLD[0]:  # the default group was (re)created or destroyed: drop stale groups
         _GROUPS.clear()
-        _HOST_GROUPS.clear()
+        _TWINS.clear()
         _WORLD[0] = world
 
 
@@ -68,38 +76,52 @@ def get_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:
     )
 
 
-def create_host_groups(all_groups: Sequence[Sequence[int]]) -> None:
-    """Create a gloo twin of every group in `all_groups` (collective, like `create_groups`): host-side
-    agreement checks exchange CPU tensors over it, so they never wait for the GPU. Under a gloo default
-    group the twin is the group itself."""
+def create_twin_groups(all_groups: Sequence[Sequence[int]], purpose: str, backend: str | None = None) -> None:
+    """Create a second communicator over the ranks of every group in `all_groups`, for `purpose`
+    (collective, like `create_groups`). Ops of one NCCL communicator run in order on one stream, so a
+    twin lets two streams of work overlap (ZeRO-3's all-gathers beside its reduce-scatters); a gloo
+    twin (`backend="gloo"`) exchanges CPU tensors without waiting for the GPU."""
     _check_world()
     for ranks in all_groups:
         key = _key(ranks)
-        if key in _HOST_GROUPS:
+        if (purpose, key) in _TWINS:
             continue
         if len(key) <= 1 or not is_initialized():
-            _HOST_GROUPS[key] = None
-        elif "nccl" not in str(dist.get_backend()):
-            create_groups([key])
-            _HOST_GROUPS[key] = _GROUPS[key]
+            _TWINS[(purpose, key)] = None
         else:
-            _HOST_GROUPS[key] = dist.new_group(list(key), backend="gloo", timeout=group_timeout())
+            _TWINS[(purpose, key)] = dist.new_group(list(key), backend=backend, timeout=group_timeout())
 
 
-def get_host_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:
-    """The gloo twin of the group over `ranks` (created by `create_host_groups`); None for one rank."""
+def get_twin_group(ranks: Sequence[int], purpose: str) -> dist.ProcessGroup | None:
+    """The twin for `purpose` of the group over `ranks` (see `create_twin_groups`); None for one rank."""
     _check_world()
     key = _key(ranks)
-    if key in _HOST_GROUPS:
-        return _HOST_GROUPS[key]
+    if (purpose, key) in _TWINS:
+        return _TWINS[(purpose, key)]
     if len(key) <= 1 or not is_initialized():
         return None
     raise KeyError(
-        f"host (gloo) group {list(key)} was not created: every rank must create it with create_host_groups"
+        f"{purpose} group {list(key)} was not created: every rank must create it (create_twin_groups)"
     )
+
+
+def create_host_groups(all_groups: Sequence[Sequence[int]]) -> None:
+    """gloo twins of `all_groups` for host-side agreement checks (CPU tensors: never a GPU sync);
+    under a gloo default group the twin is the group itself. Collective, like `create_groups`."""
+    if is_initialized() and "nccl" not in str(dist.get_backend()):
+        create_groups(all_groups)
+        for ranks in all_groups:
+            _TWINS[("host", _key(ranks))] = _GROUPS[_key(ranks)]
+        return
+    create_twin_groups(all_groups, "host", backend="gloo")
+
+
+def get_host_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:
+    """The host (gloo) twin of the group over `ranks` (created by `create_host_groups`)."""
+    return get_twin_group(ranks, "host")
 
 
 def clear_groups() -> None:
     """Forget cached groups (after the default process group is destroyed)."""
     _GROUPS.clear()
-    _HOST_GROUPS.clear()
+    _TWINS.clear()

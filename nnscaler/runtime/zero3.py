@@ -3,23 +3,26 @@
 The parameters of a ParallelModule are grouped into blocks by the module path of their original
 names up to the first layer index (`transformer.h.0`, the rule of codegen's sections; `block_of`).
 Within a block, the parameters of one dtype / device / requires_grad lie back to back in a flat
-buffer padded to a multiple of the ZeRO group size S (a `_Flat`), and rank i of the ZeRO group keeps
+buffer padded to a multiple of the ZeRO group size S (a `Flat`), and rank i of the ZeRO group keeps
 elements [i*size/S, (i+1)*size/S) of it (`shard`), like the slices of stages 1 and 2. The module's
 registered parameters stay (same objects, shapes and dtypes, so optimizers and names keep working)
 but hold no data: each is a one-element tensor expanded to its shape (it reads as zeros).
 
 Forward. The generated code reads `self.<local_name>`; `ParallelModule.__getattr__` asks `fetch`,
 which all-gathers the parameter's whole block on its first access (one collective per flat buffer,
-straight into the buffer the parameters view: no copies), starts the gather of the next block in the
-order recorded during the first forward (async, so it runs while this block computes), drops the
-blocks before, and hands out a view of the gathered buffer made by `_Unshard`, an autograd Function.
+straight into the buffer the parameters view: no copies), starts the gathers of the next
+`zero3_prefetch_blocks` blocks in the order recorded during the first forward (async, so they run while
+this block computes), drops the blocks before, and hands out a view of the gathered buffer made by
+`Unshard`, an autograd Function. The all-gathers run on a twin of the ZeRO group (on NCCL a
+communicator, hence a stream, of their own), so a prefetch never queues behind a reduce-scatter.
 Around forward (the module's forward hooks) a `saved_tensors_hooks` pair replaces every tensor saved
-for backward that views a gathered buffer by a small token (`_Saved`), so nothing keeps the full
-parameters alive after their block; at the end of forward every gathered block is dropped.
+for backward that views a gathered buffer by a small token (`Saved`), so nothing keeps the full
+parameters alive after their block; at the end of forward every gathered block is dropped but the
+last, which backward needs first.
 
-Backward. Unpacking a token gathers its block again and starts gathering the block before it in
-forward order that backward will need (backward prefetch); when the last token of a buffer dies,
-backward is done with it and it is dropped. `_Unshard`'s backward adds the gradient, divided by the
+Backward. Unpacking a token gathers its block again and starts gathering the blocks before it in
+forward order that backward will need (backward prefetch, as deep as in forward); when the last token of a buffer dies,
+backward is done with it and it is dropped. `Unshard`'s backward adds the gradient, divided by the
 data-parallel size, to the parameter's place in the flat buffer's gradient `Bucket` (the registered
 parameter gets no `.grad`); once every use of every parameter of the buffer has delivered its
 gradient, the bucket is reduce-scattered over the ZeRO group (async; then all-reduced over the cross
@@ -47,8 +50,16 @@ from torch import nn
 
 from nnscaler.runtime.buckets import Bucket
 from nnscaler.runtime.comm import _all_gather_single
-from nnscaler.runtime.reducer import DEFAULT_BUCKET_CAP_MB, Reducer, ZeroPiece, zero_process_groups
+from nnscaler.runtime.groups import create_twin_groups, get_twin_group
+from nnscaler.runtime.reducer import (
+    DEFAULT_BUCKET_CAP_MB,
+    Reducer,
+    ZeroPiece,
+    zero_groups,
+    zero_process_groups,
+)
 from nnscaler.runtime.store_sync import reach
+from nnscaler.runtime.zero3_blocks import Block, Flat, Saved, Unshard, block_of
 
 __all__ = ["Zero3Reducer", "build_zero3", "block_of"]
 
@@ -56,113 +67,6 @@ _increment_version = getattr(torch.autograd.graph, "increment_version", None)
 
 MAX_REDUCTIONS_IN_FLIGHT = 1
 """Backward waits for older reduce-scatters beyond this many (each holds a block's full gradients)."""
-
-
-def block_of(original_name: str) -> str:
-    """The block a parameter is gathered with: its module path up to and including the first layer
-    index (`transformer.h.0.attn.c_attn.weight` -> `transformer.h.0`), else the first two names of
-    the path (`transformer.wte.weight` -> `transformer.wte`; a top-level parameter -> "")."""
-    parts = original_name.split(".")[:-1]
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[: i + 1])
-    return ".".join(parts[:2])
-
-
-class _Flat:
-    """Parameters of one block with one dtype, device and requires_grad, back to back."""
-
-    def __init__(self, block: _Block, names: list[str], params: list[nn.Parameter], nshards: int, index: int):
-        self.block = block
-        self.names = names
-        self.params = params
-        self.shapes = [tuple(p.shape) for p in params]
-        self.offsets: list[int] = []
-        numel = 0
-        for p in params:
-            self.offsets.append(numel)
-            numel += p.numel()
-        self.numel = numel
-        self.size = -(-numel // nshards) * nshards
-        shard = self.size // nshards
-        self.lo, self.hi = index * shard, (index + 1) * shard
-        self.dtype, self.device = params[0].dtype, params[0].device
-        self.requires_grad = params[0].requires_grad
-        with torch.no_grad():
-            full = torch.zeros(self.size, dtype=self.dtype, device=self.device)
-            for o, p in zip(self.offsets, params):
-                full[o : o + p.numel()].copy_(p.detach().reshape(-1))
-            self.shard = full[self.lo : self.hi].clone()
-        self.full: torch.Tensor | None = None
-        """The gathered buffer while the block is gathered (or being gathered: `work`)."""
-        self.work: Any = None
-        self.bucket: Bucket | None = None
-        self.tokens = 0
-        """Saved-tensor tokens (`_Saved`) of this buffer alive."""
-        self.owner: Zero3Reducer | None = None
-        self.uses = [0] * len(params)
-        """Per parameter: times forward handed it out since backward last delivered all its gradients."""
-
-    def view(self, i: int) -> torch.Tensor:
-        assert self.full is not None
-        o = self.offsets[i]
-        return self.full[o : o + self.params[i].numel()].view(self.shapes[i])
-
-    def write(self, i: int, value: torch.Tensor) -> None:
-        """Copy this rank's part of parameter `i` (full local tensor `value`) into the shard."""
-        o, n = self.offsets[i], self.params[i].numel()
-        start, end = max(o, self.lo), min(o + n, self.hi)
-        if start < end:
-            flat = value.detach().reshape(-1)
-            self.shard[start - self.lo : end - self.lo].copy_(flat[start - o : end - o])
-
-
-class _Block:
-    """The flat buffers gathered together (one block of the model)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.flats: list[_Flat] = []
-
-    @property
-    def gathered(self) -> bool:
-        return any(f.full is not None for f in self.flats)
-
-
-class _Saved:
-    """What a tensor saved for backward becomes when it views a gathered buffer: how to view it again.
-
-    The flat buffer counts its tokens alive: when the last one goes (backward ran every node that
-    saved one), backward needs the gathered buffer no more and it is dropped."""
-
-    __slots__ = ("flat", "size", "stride", "offset")
-
-    def __init__(self, flat: _Flat, t: torch.Tensor) -> None:
-        self.flat, self.size, self.stride, self.offset = flat, t.size(), t.stride(), t.storage_offset()
-        flat.tokens += 1
-
-    def __del__(self) -> None:
-        flat = self.flat
-        flat.tokens -= 1
-        if flat.tokens == 0 and flat.owner is not None:
-            flat.owner._done_with(flat)  # waits at most for this buffer's own gather
-
-
-class _Unshard(torch.autograd.Function):
-    """A gathered parameter: forward is the view of the gathered buffer; backward adds the gradient
-    to the parameter's place in its flat buffer's gradient bucket (`Zero3Reducer._take`); the registered
-    parameter gets no `.grad`."""
-
-    @staticmethod
-    def forward(ctx: Any, param: torch.Tensor, owner: Zero3Reducer, flat: _Flat, i: int) -> torch.Tensor:
-        ctx.where = (owner, flat, i)
-        return flat.view(i)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        owner, flat, i = ctx.where
-        owner._take(flat, i, grad)
-        return None, None, None, None
 
 
 class Zero3Reducer(Reducer):
@@ -181,12 +85,19 @@ class Zero3Reducer(Reducer):
         cross_group: dist.ProcessGroup | None,
         *,
         grad_dtype: torch.dtype | None = None,
+        gather_group: dist.ProcessGroup | None = None,
+        prefetch: int = 1,
     ) -> None:
         # the Reducer's fields, set here: its buckets are made from blocks, not by size
         self.params = [p for _, _, p in named if p.requires_grad]
         self.group = group
         self.dp_size = dist.get_world_size(group)
         self.zero_group, self.cross_group = zero_group, cross_group
+        self.gather_group = gather_group if gather_group is not None else zero_group
+        """The ZeRO group's twin the parameter all-gathers run on: on NCCL a communicator of their own,
+        so a prefetch does not queue behind the reduce-scatters of the blocks backward finished."""
+        self.prefetch = prefetch
+        """Blocks gathered ahead of the current one, in forward and in backward."""
         self.zero, self.stage, self.scatter, self.async_op = True, 3, True, True
         self.enabled = True
         self.settle_after_backward = False  # reduce-scatter: gradients are slices, never `.grad`
@@ -194,17 +105,17 @@ class Zero3Reducer(Reducer):
         self._queue: list[Bucket] = []
         nshards, index = dist.get_world_size(zero_group), dist.get_rank(zero_group)
 
-        blocks: dict[str, _Block] = {}
+        blocks: dict[str, Block] = {}
         groups: dict[tuple[str, torch.dtype, torch.device, bool], list[tuple[str, nn.Parameter]]] = {}
         for local, original, p in named:
-            block = blocks.setdefault(block_of(original), _Block(block_of(original)))
+            block = blocks.setdefault(block_of(original), Block(block_of(original)))
             groups.setdefault((block.name, p.dtype, p.device, p.requires_grad), []).append((local, p))
         self.blocks = list(blocks.values())
-        self.flats: list[_Flat] = []
-        self._where: dict[str, tuple[_Flat, int]] = {}
+        self.flats: list[Flat] = []
+        self._where: dict[str, tuple[Flat, int]] = {}
         """Local name -> (flat buffer, index in it)."""
         for (name, *_), members in groups.items():
-            flat = _Flat(blocks[name], [n for n, _ in members], [p for _, p in members], nshards, index)
+            flat = Flat(blocks[name], [n for n, _ in members], [p for _, p in members], nshards, index)
             flat.owner = self
             blocks[name].flats.append(flat)
             self.flats.append(flat)
@@ -238,38 +149,38 @@ class Zero3Reducer(Reducer):
             p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
             self._placeholders.append((p, p.data_ptr()))
 
-        self._order: list[_Block] = []
+        self._order: list[Block] = []
         """Blocks in the order the first forward switched to them (prefetch follows it)."""
         self._recorded = False
         self._recording = False
-        self._current: _Block | None = None
+        self._current: Block | None = None
         self._pos = -1
         """Index in `_order` of the current block in forward."""
         self._bpos = 0
         """Index in `_order` of the block backward is in."""
-        self._bwd_current: _Block | None = None
-        self._by_ptr: dict[int, _Flat] = {}
+        self._bwd_current: Block | None = None
+        self._by_ptr: dict[int, Flat] = {}
         """Data pointer of each gathered buffer -> its flat buffer (to recognise saved tensors)."""
         self._hooks_ctx: Any = None
         self._depth = 0
 
     # ---- gathering -----------------------------------------------------------------------------------
 
-    def _gather(self, block: _Block) -> None:
+    def _gather(self, block: Block) -> None:
         """Start all-gathering the flat buffers of `block` that are not gathered (async)."""
         for flat in block.flats:
             if flat.full is None:
                 flat.full = torch.empty(flat.size, dtype=flat.dtype, device=flat.device)
-                flat.work = _all_gather_single(flat.full, flat.shard, group=self.zero_group, async_op=True)
+                flat.work = _all_gather_single(flat.full, flat.shard, group=self.gather_group, async_op=True)
                 self._by_ptr[flat.full.data_ptr()] = flat
 
     @staticmethod
-    def _wait(flat: _Flat) -> None:
+    def _wait(flat: Flat) -> None:
         if flat.work is not None:
             flat.work.wait()
             flat.work = None
 
-    def _release(self, flat: _Flat) -> None:
+    def _release(self, flat: Flat) -> None:
         if flat.full is not None:
             self._wait(flat)
             self._by_ptr.pop(flat.full.data_ptr(), None)
@@ -298,7 +209,8 @@ class Zero3Reducer(Reducer):
         self._hooks_ctx.__enter__()
 
     def end_forward(self) -> None:
-        """After the module's forward (also when it raised): drop every gathered block."""
+        """After the module's forward (also when it raised): drop every gathered block but the last one
+        when backward will need it (tensors saved for backward view it): backward starts there."""
         self._depth -= 1
         if self._depth > 0:
             return
@@ -308,7 +220,12 @@ class Zero3Reducer(Reducer):
         if self._recording:
             self._recorded, self._recording = True, False
         self._bpos, self._bwd_current = len(self._order), None
-        self.release_all()
+        last = self._current
+        keep = last is not None and any(f.tokens for f in last.flats)
+        for flat in list(self._by_ptr.values()):
+            if not (keep and flat.block is last):
+                self._release(flat)
+        self._current = None
 
     def fetch(self, name: str) -> torch.Tensor | None:
         """The full local tensor of parameter `name` for forward (None: not a sharded parameter)."""
@@ -325,10 +242,10 @@ class Zero3Reducer(Reducer):
         if flat.requires_grad and torch.is_grad_enabled():
             if self._depth:  # a recomputed forward's graph is not backpropagated
                 flat.uses[i] += 1
-            return _Unshard.apply(flat.params[i], self, flat, i)
+            return Unshard.apply(flat.params[i], self, flat, i)
         return flat.view(i)
 
-    def _enter(self, block: _Block) -> None:
+    def _enter(self, block: Block) -> None:
         """Switch forward to `block`: gather it, prefetch the next one, drop the others."""
         if self._recording:
             self._order.append(block)
@@ -337,13 +254,17 @@ class Zero3Reducer(Reducer):
             self._pos = nxt
         else:
             self._pos = next((k for k, b in enumerate(order) if b is block), -1)
-        ahead = order[self._pos + 1] if 0 <= self._pos < len(order) - 1 and not self._recording else None
+        ahead = (
+            order[self._pos + 1 : self._pos + 1 + self.prefetch]
+            if self._pos >= 0 and not self._recording
+            else []
+        )
         for flat in list(self._by_ptr.values()):  # the gathered ones
-            if flat.block is not block and flat.block is not ahead:
+            if flat.block is not block and flat.block not in ahead:
                 self._release(flat)
         self._gather(block)
-        if ahead is not None:
-            self._gather(ahead)
+        for nxt in ahead:  # in order: the nearest first
+            self._gather(nxt)
         self._current = block
 
     # ---- saved tensors ---------------------------------------------------------------------------------
@@ -355,11 +276,11 @@ class Zero3Reducer(Reducer):
             except (RuntimeError, NotImplementedError):  # a tensor without storage (subclass, functional)
                 return t
             if flat is not None and t.dtype == flat.dtype:
-                return _Saved(flat, t)
+                return Saved(flat, t)
         return t
 
     def _unpack(self, saved: Any) -> torch.Tensor:
-        if type(saved) is not _Saved:
+        if type(saved) is not Saved:
             return saved
         flat = saved.flat
         if flat.block is not self._bwd_current:  # backward reached another block
@@ -372,7 +293,7 @@ class Zero3Reducer(Reducer):
         assert flat.full is not None
         return flat.full.as_strided(saved.size, saved.stride, saved.offset)
 
-    def _prefetch_backward(self, block: _Block) -> None:
+    def _prefetch_backward(self, block: Block) -> None:
         """Backward gathers `block`: start gathering the block that ran before it in forward."""
         order = self._order
         k = next((k for k in range(min(self._bpos, len(order)) - 1, -1, -1) if order[k] is block), -1)
@@ -381,20 +302,23 @@ class Zero3Reducer(Reducer):
         if k < 0:
             return
         self._bpos = k
-        for before in order[k - 1 :: -1] if k > 0 else []:  # the first one backward will need
+        wanted = self.prefetch
+        for before in order[k - 1 :: -1] if k > 0 and wanted else []:  # the next ones backward will need
             if before is not block and any(f.tokens for f in before.flats):
                 self._gather(before)
-                return
+                wanted -= 1
+                if not wanted:
+                    return
 
-    def _done_with(self, flat: _Flat) -> None:
+    def _done_with(self, flat: Flat) -> None:
         """The last saved tensor viewing `flat`'s gathered buffer is gone: outside forward, drop it."""
         if self._depth == 0:
             self._release(flat)
 
-    # ---- gradients (the Reducer's, handed over by _Unshard; and dropping what backward is done with) --
+    # ---- gradients (the Reducer's, handed over by Unshard; and dropping what backward is done with) --
 
     @torch.no_grad()
-    def _take(self, flat: _Flat, i: int, grad: torch.Tensor) -> None:
+    def _take(self, flat: Flat, i: int, grad: torch.Tensor) -> None:
         """Backward of one use of parameter `i` of `flat`: add `grad` (divided by the data-parallel size)
         to the bucket. Once every use of every parameter of the flat buffer has given its gradient, start
         the reduce-scatter and drop the gathered parameters."""
@@ -530,4 +454,21 @@ def build_zero3(module: Any) -> Reducer | None:
             async_op=config.use_async_reducer,
             grad_dtype=grad_dtype,
         )
-    return Zero3Reducer(named, dp_group, zero_group, cross_group, grad_dtype=grad_dtype)
+    zero_ranks = dist.get_process_group_ranks(zero_group)
+    every = [g for i in range(module.plan_ngpus) for g in _zero_parts(module, i, config.zero_ngroups)]
+    create_twin_groups(every, "zero3-gather")
+    return Zero3Reducer(
+        named,
+        dp_group,
+        zero_group,
+        cross_group,
+        grad_dtype=grad_dtype,
+        gather_group=get_twin_group(zero_ranks, "zero3-gather"),
+        prefetch=getattr(config, "zero3_prefetch_blocks", 1),
+    )
+
+
+def _zero_parts(module: Any, plan_index: int, ngroups: int) -> list[list[int]]:
+    """The ZeRO groups of the data-parallel group of plan device `plan_index`."""
+    dp_ranks = list(range(plan_index, module.world_size, module.plan_ngpus))
+    return zero_groups(dp_ranks, ngroups)[0]

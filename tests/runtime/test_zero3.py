@@ -105,7 +105,10 @@ def _train_case(rank: int, plan: int, ngroups: int, opt_name: str) -> None:
     rows = _rows(rank, WORLD, plan)
     for step in range(3):
         loss = pm(x[rows], t[rows])
-        assert red.live_blocks() == [], f"{case}: blocks gathered after forward"
+        # the last block of forward stays gathered when backward needs it (it starts there)
+        last = red._order[-1]
+        kept = [last.name] if any(f.tokens for f in last.flats) else []
+        assert red.live_blocks() == kept, f"{case}: blocks gathered after forward"
         loss.backward()
         assert red.live_blocks() == [], f"{case}: blocks gathered after backward"
         ref_loss = ref(x, t)
@@ -245,16 +248,19 @@ def _all_dead(refs: list[weakref.ref], patience: float = 2.0) -> bool:
     return True
 
 
-def _liveness(rank: int) -> dict[str, float]:
+def _liveness(rank: int, prefetch: int) -> dict[str, float]:
     torch.manual_seed(1)
     x = torch.randn(8, WIDTH)
     ref = _reference_stack(rank)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     pm = Stack(rank, WORLD)
-    pm.compute_config = _config(1, 1)
+    pm.compute_config = ComputeConfig(1, WORLD, use_zero=True, zero_stage=3, zero3_prefetch_blocks=prefetch)
     opt = build_optimizer(pm, torch.optim.AdamW, lr=LR)
     red = pm.reducer
-    assert isinstance(red, Zero3Reducer)
+    assert isinstance(red, Zero3Reducer) and red.prefetch == prefetch
+    # the all-gathers have a communicator of their own (NCCL: their own stream), over the same ranks
+    assert red.gather_group is not red.zero_group
+    assert dist.get_process_group_ranks(red.gather_group) == dist.get_process_group_ranks(red.zero_group)
     names = [f"layers.{k}" for k in range(LAYERS)] + ["head"]
     assert [b.name for b in red.blocks] == names
     rows = torch.arange(rank * 2, rank * 2 + 2)
@@ -264,18 +270,21 @@ def _liveness(rank: int) -> dict[str, float]:
         # nothing handed out survives the forward: saved tensors hold tokens, not the parameters
         assert len(pm.handed) == 4 * LAYERS, "the parameters handed out view a gathered buffer"
         assert _all_dead(pm.handed), f"step {step}: gathered tensors alive after forward"
-        assert red.live_blocks() == [] and red.nbytes()["gathered"] == 0
+        # only the head stays gathered: backward starts with it
+        assert red.live_blocks() == ["head"]
+        assert red.nbytes()["gathered"] == 4 * WIDTH  # head.weight: 1 x WIDTH fp32
         for k, live in enumerate(pm.live_in_forward):
-            want = [names[k]] if step == 0 else names[k : k + 2]  # prefetch from the second forward on
+            # `prefetch` blocks ahead, from the second forward on (the first records the order)
+            want = [names[k]] if step == 0 else names[k : k + 1 + prefetch]
             assert live == want, f"step {step}: after layer {k} gathered {live}, expected {want}"
         loss.backward()
         # in backward, the hook on layer k's output runs before layer k's backward: the blocks after
-        # k are dropped by then (nothing saved for backward views them any more), and layer k is
-        # gathered already (prefetched when backward reached layer k + 1), but for layer 0, whose
-        # weight nothing saved (its input needs no gradient)
+        # k are dropped by then (nothing saved for backward views them any more), and layer k and the
+        # `prefetch - 1` before it are gathered already (prefetched when backward reached layer k + 1),
+        # but for layer 0, whose weight nothing saved (its input needs no gradient)
         assert len(pm.live_in_backward) == LAYERS
         for k, live in zip(reversed(range(LAYERS)), pm.live_in_backward):
-            want = [names[k]] if k else []
+            want = [names[j] for j in range(max(k - prefetch + 1, 1), k + 1)]
             assert live == want, f"step {step}: {live} gathered in backward at layer {k}, expected {want}"
         assert red.live_blocks() == []
         ref_loss = _reference_loss(ref, x)
@@ -322,7 +331,8 @@ def zero3_worker(rank: int, world: int) -> dict[str, float]:
     for case in CASES:
         _train_case(rank, *case)
     _one_rank_groups(rank)
-    return _liveness(rank)
+    _liveness(rank, prefetch=2)
+    return _liveness(rank, prefetch=1)
 
 
 @pytest.mark.timeout(120)
