@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 from nnscaler.cli import resume as _resume
 from nnscaler.cli.loading import load_type
+from nnscaler.cli.peers import Heartbeat
 from nnscaler.cli.progress import Progress
 from nnscaler.cli.trainer_args import TrainerArgs
-from nnscaler.errors import ConfigError
+from nnscaler.errors import ConfigError, NnScalerError
 from nnscaler.parallel import parallelize
 from nnscaler.runtime import init as nnscaler_init
 from nnscaler.runtime import rng as _shard_rng  # its shard generators are part of the random state
@@ -117,6 +118,7 @@ class Trainer:
         self.rank, self.world_size = 0, 1
         self.pending_rng: dict[str, Any] | None = None
         self._saved_step = -1
+        self.heartbeat: Heartbeat | None = None
         self._val_step = -1
         self.last_val_loss: float | None = None
         self.losses: list[float] = []
@@ -131,7 +133,16 @@ class Trainer:
             if self.train_args.compile_mode:
                 return
             self._train()
+        except Exception as err:
+            if self.heartbeat is not None:
+                peer = None if isinstance(err, NnScalerError) else self.heartbeat.diagnose(err)
+                self.heartbeat.publish_failure(peer or err)
+                if peer is not None:
+                    raise peer from err
+            raise
         finally:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
             self._finalize()
 
     def _setup(self) -> None:
@@ -140,6 +151,7 @@ class Trainer:
             nnscaler_init()
         if dist.is_available() and dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self.heartbeat = Heartbeat()
         cc = args.compute_config
         if not args.compile_mode and self.world_size != cc.runtime_ngpus:
             raise ConfigError(
@@ -309,6 +321,8 @@ class Trainer:
     def _train_step(self, epoch: int, idx: int, chunk: list[Any]) -> None:
         args, status, hook, opt = self.train_args, self.train_status, self.hook, self.optimizer
         t0 = time.perf_counter()
+        if self.heartbeat is not None:
+            self.heartbeat.where = f"training step {status['step'] + 1} (epoch {epoch})"
         hook.on_step_start(self, epoch, idx)
         hook.on_train_step_start(self, chunk)
         n = len(chunk)
