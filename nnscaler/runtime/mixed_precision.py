@@ -18,9 +18,11 @@ copies ("masters") of the bf16 / fp16 parameters they are given, so their state 
    so every rank skips the step together, and the scaler backs off (or grows after
    `growth_interval` good steps);
 3. casts the gradients to fp32 (a chunk of parameters at a time, so at most `MASTER_GRAD_CHUNK_NUMEL`
-   fp32 gradients exist at once), multiplies them by 1 / loss scale times the clip coefficient from
-   `clip_gnorm` (deferred, so nothing is scaled in bf16), steps Adam on the masters, and copies the
-   masters back into the parameters (rounding to their dtype).
+   fp32 gradients exist at once, into one reused buffer with one `_foreach_copy_` per chunk),
+   multiplies them by 1 / loss scale times the clip coefficient from `clip_gnorm` (one `_foreach_mul_`;
+   deferred, so nothing is scaled in bf16), steps Adam on the chunk's masters (the base step sees only
+   them: no re-scan of every parameter per chunk), and copies the masters back into the parameters
+   (rounding to their dtype).
 
 Under ZeRO (`use_zero`) `build_optimizer` wraps the optimizer in a `ZeroOptimizer`, which builds it
 over this rank's slices of the parameters: the masters then cover only those slices, like the state.
@@ -38,8 +40,9 @@ masters from there (from the parameters where a state lacks it). The loss scaler
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -332,17 +335,17 @@ class MixedPrecisionOptimizer:
         for m, _ in own:
             m.grad = None  # so that each chunk's step updates that chunk only
         base = self._base_step()
+        chunks = _chunks(todo, MASTER_GRAD_CHUNK_NUMEL)
+        staging = _Staging(max((_low_numel(c) for c in chunks), default=0), todo)
         try:
-            for chunk in _chunks(todo, MASTER_GRAD_CHUNK_NUMEL):
+            for chunk in chunks:
                 with torch.no_grad():
-                    for _, m, g in chunk:
-                        g32 = g.detach() if g.dtype == m.dtype else g.detach().to(m.dtype)
-                        if isinstance(factor, torch.Tensor):
-                            g32.mul_(factor.to(g32.device))
-                        elif factor != 1.0:
-                            g32.mul_(factor)  # in place on an fp32 .grad / .main_grad: consumed here
-                        m.grad = g32
-                base(self)
+                    g32 = staging.fp32_grads(chunk)
+                    _scale_all(g32, factor)  # in place on fp32 .grad / .main_grad: consumed here
+                    for (_, m, _), g in zip(chunk, g32):
+                        m.grad = g
+                with self._only([m for _, m, _ in chunk]):  # the base step scans this chunk only
+                    base(self)
                 with torch.no_grad():
                     low = [(p, m) for p, m, _ in chunk if m is not p]
                     if low:
@@ -354,6 +357,21 @@ class MixedPrecisionOptimizer:
                 m.grad = g
         self._record_versions()
         return loss
+
+    @contextlib.contextmanager
+    def _only(self, masters: list[torch.Tensor]) -> Iterator[None]:
+        """Inside: the param groups list only `masters` (in their order), so one base step per chunk
+        scans that chunk, not every parameter again."""
+        wanted = {id(m) for m in masters}
+        groups: list[dict[str, Any]] = self.param_groups  # type: ignore[attr-defined]
+        saved = [g["params"] for g in groups]
+        for g in groups:
+            g["params"] = [m for m in g["params"] if id(m) in wanted]
+        try:
+            yield
+        finally:
+            for g, params in zip(groups, saved):
+                g["params"] = params
 
     # ---- state dicts -----------------------------------------------------------------------------------
 
@@ -395,6 +413,49 @@ class MixedPrecisionOptimizer:
                 elif m is not p:
                     m.copy_(p)
         self._record_versions()
+
+
+def _low_numel(chunk: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> int:
+    """Elements of the chunk's gradients that must be cast to fp32 (their dtype is not their master's)."""
+    return sum(g.numel() for _, m, g in chunk if g.dtype != m.dtype)
+
+
+class _Staging:
+    """One fp32 buffer per device, reused by every chunk of a step, that low-precision gradients are
+    cast into with one `_foreach_copy_` per chunk (fp32 gradients are used as they are)."""
+
+    def __init__(self, numel: int, todo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        devices = {g.device for _, m, g in todo if g.dtype != m.dtype}
+        self.buffers = {d: torch.empty(numel, dtype=torch.float32, device=d) for d in devices}
+
+    def fp32_grads(self, chunk: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        used = dict.fromkeys(self.buffers, 0)
+        casts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for _, m, g in chunk:
+            g = g.detach()
+            if g.dtype == m.dtype:
+                out.append(g)
+                continue
+            o = used[g.device]
+            view = self.buffers[g.device][o : o + g.numel()].view(g.shape)
+            used[g.device] = o + g.numel()
+            casts.append((view, g))
+            out.append(view)
+        if casts:
+            torch._foreach_copy_([v for v, _ in casts], [g for _, g in casts])
+        return out
+
+
+def _scale_all(grads: list[torch.Tensor], factor: float | torch.Tensor) -> None:
+    """Multiply `grads` in place by `factor` (a device tensor stays on device: no host sync)."""
+    if not grads or (not isinstance(factor, torch.Tensor) and factor == 1.0):
+        return
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, gs in by_device.items():
+        torch._foreach_mul_(gs, factor.to(device) if isinstance(factor, torch.Tensor) else factor)
 
 
 def _chunks(

@@ -433,6 +433,14 @@ def test_fp32_parameters_and_chunks(monkeypatch) -> None:
     """Chunked fp32 casts give the same result as one; fp32 parameters are their own masters and keep
     their .grad through the step."""
     results = []
+    base_step = mp_module.MixedPrecisionOptimizer._base_step
+    scanned: list[int] = []
+
+    def counting_base_step(self):  # how many parameters each base step call sees
+        fn = base_step(self)
+        return lambda opt: (scanned.append(sum(len(g["params"]) for g in opt.param_groups)), fn(opt))
+
+    monkeypatch.setattr(mp_module.MixedPrecisionOptimizer, "_base_step", counting_base_step)
     for chunk in (1 << 24, 100):
         monkeypatch.setattr(mp_module, "MASTER_GRAD_CHUNK_NUMEL", chunk)
         model = _mlp(torch.bfloat16)
@@ -442,7 +450,12 @@ def test_fp32_parameters_and_chunks(monkeypatch) -> None:
         for _ in range(2):
             (_loss(model, torch.bfloat16) * gain).sum().backward()
             grad = gain.grad
+            scanned.clear()
             opt.step()
+            # every parameter is stepped once, by the call of its chunk only (no re-scans)
+            assert sum(scanned) == 5
+            assert len(scanned) == 1 if chunk > 1000 else len(scanned) > 1
+            assert sum(len(g["params"]) for g in opt.param_groups) == 5  # the groups are restored
             assert gain.grad is grad
             opt.zero_grad()
         assert not torch.equal(gain, torch.ones(4))
