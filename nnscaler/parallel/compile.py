@@ -83,6 +83,10 @@ def compile_module(
     policy_name, _ = resolve_policy(policy)
     plan = make_plan(graph, policy, cfg)
     write_atomic(outdir / "plan.json", plan.to_json())
+    if plan.policy == "autodist":  # what it chose and why, beside the generated code
+        from nnscaler.policies.autodist.report import plan_report_text
+
+        write_atomic(outdir / "plan_report.md", plan_report_text(graph, plan, cfg))
     seconds["plan"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     program = apply_pipeline(graph, plan) if plan.pipeline else apply_plan(graph, plan)

@@ -3,7 +3,7 @@ activations kept for backward (none inside recomputed modules), and transient bu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nnscaler.policies.autodist.comm import all_gather, all_reduce, reduce_scatter
 from nnscaler.policies.autodist.cost import CostContext
@@ -48,7 +48,8 @@ class MemoryModel:
         """Seconds to synchronise `weight_bytes` of gradients across data-parallel replicas."""
         if not ctx.training or ctx.dp_size <= 1:
             return 0.0
-        link = ctx.dp_link
+        # gradients travel in large buckets: the bandwidth term counts, per-parameter latency does not
+        link = replace(ctx.dp_link, latency_us=0.0)
         if self.zero_stage >= 1:  # reduce-scatter the gradients, all-gather the updated weights
             t = reduce_scatter(weight_bytes, ctx.dp_size, link) + all_gather(weight_bytes, ctx.dp_size, link)
             if self.zero_stage >= 3:  # weights gathered again for backward

@@ -24,11 +24,23 @@ class Recipe:
     fits: bool
 
 
+def _scale(setup: PlannerSetup, dp: int) -> float:
+    """Micro-batch scale keeping the global batch: `dp` replicas share what setup.dp_size replicas take."""
+    return setup.batch_scale * setup.dp_size / dp
+
+
 def standard_recipes(graph: Graph, setup: PlannerSetup, ndevices: int, nmicros: int = 1) -> list[Recipe]:
-    """DP+ZeRO over `ndevices`, and Megatron TP x PP x DP splitting them (tp within a node)."""
+    """DP+ZeRO over `ndevices`, and Megatron TP x PP x DP splitting them (tp within a node), each taking
+    the same global batch as `setup` (setup.dp_size replicas of the traced batch x nmicros)."""
     out: list[Recipe] = []
     for zero in (1, 2, 3):
-        s = replace(setup, plan_ngpus=1, dp_size=ndevices, memory=replace(setup.memory, zero_stage=zero))
+        s = replace(
+            setup,
+            plan_ngpus=1,
+            dp_size=ndevices,
+            memory=replace(setup.memory, zero_stage=zero),
+            batch_scale=_scale(setup, ndevices),
+        )
         cand = evaluate_nodes(graph, s, {}, nmicros=nmicros)
         out.append(Recipe(f"DP x{ndevices} + ZeRO-{zero}", cand, cand.memory <= setup.mem_limit))
     _, instances = layer_instances(graph, setup.pivots)
@@ -43,7 +55,7 @@ def standard_recipes(graph: Graph, setup: PlannerSetup, ndevices: int, nmicros: 
             dp = ndevices // (tp * pp)
             if tp == 1 and pp == 1:
                 continue
-            s = replace(setup, plan_ngpus=tp * pp, dp_size=dp)
+            s = replace(setup, plan_ngpus=tp * pp, dp_size=dp, batch_scale=_scale(setup, dp))
             m = max(nmicros, pp) if pp > 1 else nmicros
             try:
                 starts = balanced_starts(graph, layer_starts[1:], pp) if pp > 1 else None

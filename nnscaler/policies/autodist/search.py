@@ -44,6 +44,8 @@ class PlannerSetup:
     """Pipeline stages: None searches (1 = no pipeline)."""
     nmicros: int | None = None
     """Micro-batches per step: None searches (1 without a pipeline)."""
+    batch_scale: float = 1.0
+    """Micro-batch size relative to the traced batch (recipes over fewer replicas take bigger batches)."""
 
 
 @dataclass
@@ -86,6 +88,7 @@ def _ctx(setup: PlannerSetup, ways: int) -> CostContext:
         training=setup.training,
         compute_dtype=setup.compute_dtype,
         traced_batch=setup.traced_batch,
+        batch_scale=setup.batch_scale,
     )
 
 

@@ -1,0 +1,119 @@
+"""`python -m nnscaler.plan`: plan a model for a described cluster and print the report, without
+compiling code (offline planning for a cluster you do not have).
+
+    python -m nnscaler.plan --model tests.zoo.build_llama --cluster h100x8
+    python -m nnscaler.plan --hf-config llama70b.json --seq 8192 --cluster h100x64_ib --bf16
+
+`--model` names a builder: a callable returning an nn.Module, or (module, dummy_kwargs), or
+(module, make_batch) with make_batch(seed, batch_size) -> kwargs. `--hf-config` builds a
+transformers causal LM from a config.json on the meta device (no weights are allocated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from nnscaler.graph.capture import capture
+
+__all__ = ["build_model", "main"]
+
+
+def _resolve(spec: str):
+    module, _, name = spec.replace(":", ".").rpartition(".")
+    if not module:
+        raise SystemExit(f"--model {spec!r}: give a dotted path 'package.module.builder'")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_model(spec: str | None, hf_config: str | None, batch: int, seq: int):
+    """(module, dummy forward kwargs) from a builder or a Hugging Face config file."""
+    if hf_config:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        data = json.loads(Path(hf_config).read_text())
+        config = AutoConfig.for_model(data.pop("model_type"), **data)
+        config.use_cache = False
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        return model.train(), {"input_ids": ids, "labels": ids}
+    out = _resolve(spec)()
+    if isinstance(out, torch.nn.Module):
+        raise SystemExit("--model returned a module without inputs: return (module, dummy_kwargs)")
+    module, inputs = out
+    if callable(inputs):
+        inputs = inputs(0, batch)
+    return module, inputs
+
+
+def main(argv: list[str] | None = None) -> int:
+    from nnscaler.policies.autodist import load_cluster
+    from nnscaler.policies.autodist.offline import plan_offline
+    from nnscaler.policies.autodist.planio import save_plan
+    from nnscaler.policies.autodist.report import plan_report
+
+    p = argparse.ArgumentParser(prog="python -m nnscaler.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="dotted builder, e.g. tests.zoo.build_llama")
+    p.add_argument("--hf-config", help="a transformers config.json (built on the meta device)")
+    p.add_argument("--cluster", default="cpu_gloo", help="cluster YAML or shipped example name")
+    p.add_argument("--devices", type=int, help="devices to plan for (default: all of the cluster)")
+    p.add_argument("--plan-ngpus", type=int, help="fix the plan size (default: searched)")
+    p.add_argument("--max-plan-ngpus", type=int, help="largest plan size to try")
+    p.add_argument("--batch", type=int, default=4, help="global batch of one micro-step")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length (with --hf-config)")
+    p.add_argument("--nmicros", type=int, help="micro-batches per step (default: searched)")
+    p.add_argument("--no-pipeline", action="store_true", help="do not consider pipeline stages")
+    p.add_argument("--zero", type=int, default=None, help="ZeRO stage to assume (0-3)")
+    p.add_argument("--bf16", action="store_true", help="cost as bf16 training")
+    p.add_argument("--mem", type=float, help="GB per device a plan may use")
+    p.add_argument("--recompute", help="recompute_modules")
+    p.add_argument("--save-plan", help="write the plan JSON here")
+    p.add_argument("--out", help="write the report here as well as printing it")
+    args = p.parse_args(argv)
+    if not args.model and not args.hf_config:
+        p.error("give --model or --hf-config")
+    module, inputs = build_model(args.model, args.hf_config, args.batch, args.seq)
+    graph = capture(module, inputs)
+    pas = {
+        "pipeline_nmicros": args.nmicros,
+        "zero_stage": args.zero,
+        "use_bf16": args.bf16,
+        "mem_constraint": args.mem,
+    }
+    if args.no_pipeline:
+        pas["pipeline_nstages"] = 1
+    if args.recompute:
+        pas["recompute_modules"] = args.recompute
+    pas = {k: v for k, v in pas.items() if v not in (None, False)}
+    cluster = load_cluster(args.cluster)
+    result = plan_offline(
+        graph,
+        cluster,
+        args.devices,
+        plan_ngpus=args.plan_ngpus,
+        end2end=not args.no_pipeline,
+        pas_config=pas,
+        max_plan_ngpus=args.max_plan_ngpus,
+    )
+    text = plan_report(graph, result.plan, result.setup, result.scored)
+    text += f"\nPlanned in {result.seconds:.1f} s ({len(graph.nodes)} traced ops).\n"
+    print(text, end="")
+    if args.out:
+        Path(args.out).write_text(text)
+    if args.save_plan:
+        save_plan(
+            result.plan,
+            args.save_plan,
+            {"config": result.best.label(), "step_seconds": result.best.step_time},
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
