@@ -69,6 +69,10 @@ class ComputeConfig:
     zero_stage: int = field(default=1, kw_only=True)
     """ZeRO stage when use_zero: 1 shards optimizer state, 2 also gradients (reduce-scatter, overlapped),
     3 also parameters (each block all-gathered just in time in forward and backward, prefetched)."""
+    hierarchical_allreduce: bool | None = field(default=None, kw_only=True)
+    """Data parallelism across nodes (without ZeRO): reduce-scatter inside each node, all-reduce the
+    slices across nodes, all-gather inside the node (nnscaler.runtime.hierarchy). None: when the cost
+    model says it beats one flat ring; True: whenever the replicas span several nodes; False: never."""
     zero3_prefetch_blocks: int = field(default=1, kw_only=True)
     """ZeRO stage 3: blocks gathered ahead of the one computing, in forward and in backward (0: none).
     More hides more gather latency at the cost of that many more gathered blocks in memory."""

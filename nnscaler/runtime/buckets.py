@@ -310,6 +310,17 @@ class Bucket:
         self.state = [EMPTY] * len(self.params)
         self._release_grads()
 
+    def finish_gather(self, group: dist.ProcessGroup) -> None:
+        """Hierarchical all-reduce, last step: wait for the slice's reduce-scatter (inside the node) and
+        all-reduce (across nodes), then all-gather the node's slices back into the whole bucket, which
+        then holds the average, as after an all-reduce."""
+        if self.phase == 0:
+            return
+        self.wait()
+        self.phase = 0
+        assert self._scatter_out is not None
+        _all_gather_single(self._ensure_grads(), self._scatter_out, group=group)
+
     def expose(self) -> None:
         """Set every parameter's `.grad` (upcast: `.main_grad`) to its view of the (reduced) bucket."""
         for i, (p, view) in enumerate(zip(self.params, self.views)):

@@ -14,6 +14,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from nnscaler.runtime.buckets import Bucket, pack_buckets
 from nnscaler.runtime.groups import create_groups, get_group
+from nnscaler.runtime.hierarchy import Hierarchy, build_hierarchy
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -176,6 +177,10 @@ class Reducer:
     cross group) in one order fixed by the program (bucket launch order, itself the hook order, the
     same on every rank), never by which collective happens to be complete; NCCL requires it.
 
+    `hierarchy` (runtime/hierarchy.py; not with ZeRO): each bucket is reduce-scattered inside the node,
+    its slice all-reduced across nodes (the cross phase, issued at the next launch as under ZeRO), and
+    all-gathered back when the bucket is taken in (`_drain` / `sync`: fixed points of the program).
+
     `grad_dtype` (e.g. fp32): the buckets of lower-precision parameters hold their gradients in this
     dtype and reduce them in it; the reduced gradients are then `param.main_grad` (see buckets.py).
     """
@@ -193,6 +198,7 @@ class Reducer:
         stage: int = 1,
         grad_dtype: torch.dtype | None = None,
         deferred: Sequence[torch.nn.Parameter] = (),
+        hierarchy: Hierarchy | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(
@@ -207,6 +213,9 @@ class Reducer:
         self.stage = stage if self.zero else 0
         self.scatter = self.zero and (scatter or self.stage >= 2)
         self.async_op = async_op or self.stage >= 2
+        self.hier = hierarchy if not self.zero else None
+        """Hierarchical all-reduce (runtime/hierarchy.py): buckets are reduce-scattered inside the node,
+        their slices all-reduced across nodes (the cross phase), then all-gathered back."""
         self.enabled = True
         """False inside `no_sync`: hooks collect gradients but launch nothing."""
         self.settle_after_backward = True
@@ -216,8 +225,9 @@ class Reducer:
         self._in_pass = False
         self._queue: list[Bucket] = []
         """Buckets launched and not yet taken in, in launch order."""
-        nshards = dist.get_world_size(zero_group) if zero_group is not None else 1
-        index = dist.get_rank(zero_group) if zero_group is not None else 0
+        split = zero_group if zero_group is not None else (self.hier.intra if self.hier else None)
+        nshards = dist.get_world_size(split) if split is not None else 1
+        index = dist.get_rank(split) if split is not None else 0
         late = {id(p) for p in deferred}
         groups = make_buckets([p for p in self.params[::-1] if id(p) not in late], bucket_cap_mb)
         nhooked = len(groups)
@@ -278,13 +288,24 @@ class Reducer:
     # ---- backward ------------------------------------------------------------------------------------
 
     def _launch(self, bucket: Bucket) -> None:
-        group = self.zero_group if self.scatter else self.group
-        assert group is not None
-        bucket.launch(group, self.scatter)
+        if self.hier is not None:
+            bucket.launch(self.hier.intra, scatter=True)
+        else:
+            group = self.zero_group if self.scatter else self.group
+            assert group is not None
+            bucket.launch(group, self.scatter)
         self._queue.append(bucket)
 
     def _cross(self) -> dist.ProcessGroup | None:
+        if self.hier is not None:
+            return self.hier.inter
         return self.cross_group if self.scatter else None
+
+    def _finish(self, bucket: Bucket) -> None:
+        if self.hier is not None:
+            bucket.finish_gather(self.hier.intra)
+        else:
+            bucket.finish(self.scatter)
 
     def _drain(self, until: Bucket) -> None:
         """Finish the launched buckets up to `until`, in launch order (the order every rank shares, so
@@ -292,7 +313,7 @@ class Reducer:
         while self._queue:
             bucket = self._queue.pop(0)
             bucket.launch_cross(self._cross())
-            bucket.finish(self.scatter)
+            self._finish(bucket)
             if bucket is until:
                 return
 
@@ -305,6 +326,8 @@ class Reducer:
         if cross is not None:
             for bucket in self._queue[:-1]:
                 bucket.launch_cross(cross)  # no-op once launched
+        if self.hier is not None:
+            return  # taking a bucket in issues its all-gather: only at fixed points (_drain, sync)
         while self._queue and self._queue[0].done():
             bucket = self._queue[0]
             if bucket.phase == 1 and cross is not None:
@@ -321,7 +344,7 @@ class Reducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if bucket.accept(i) and self.enabled:
             self._launch(bucket)
-            if self.stage >= 2:
+            if self.stage >= 2 or self.hier is not None:
                 self._reap()
 
     def _end_pass(self) -> None:
@@ -358,7 +381,7 @@ class Reducer:
         for bucket in self._queue:  # launch order
             bucket.launch_cross(self._cross())
         for bucket in self._queue:
-            bucket.finish(self.scatter)
+            self._finish(bucket)
         self._queue = []
         for bucket in self.buckets:
             if not self.scatter:
@@ -461,10 +484,14 @@ def build_reducer(
             )
         zero_group, cross_group = zero_process_groups(rank, world_size, plan_ngpus, config.zero_ngroups)
     cap = config.reducer_bucket_cap_mb if config is not None else None
+    cap = DEFAULT_BUCKET_CAP_MB if cap is None else cap
+    hierarchy = None
+    if zero_group is None:
+        hierarchy = build_hierarchy(rank, world_size, plan_ngpus, config, bucket_bytes=cap * 2**20)
     return Reducer(
         params,
         dp_group,
-        bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if cap is None else cap,
+        bucket_cap_mb=cap,
         async_op=config is not None and config.use_async_reducer,
         zero_group=zero_group,
         cross_group=cross_group,
@@ -472,6 +499,7 @@ def build_reducer(
         stage=stage,
         grad_dtype=torch.float32 if getattr(config, "reduce_grads_in_fp32", False) else None,
         deferred=deferred,
+        hierarchy=hierarchy,
     )
 
 
