@@ -101,6 +101,7 @@ class Zero3Reducer(Reducer):
         self.zero, self.stage, self.scatter, self.async_op = True, 3, True, True
         self.enabled = True
         self.settle_after_backward = False  # reduce-scatter: gradients are slices, never `.grad`
+        self.hier = None  # ZeRO's own groups: no hierarchical all-reduce
         self._in_pass = False
         self._queue: list[Bucket] = []
         nshards, index = dist.get_world_size(zero_group), dist.get_rank(zero_group)
