@@ -168,11 +168,11 @@ def resume(trainer: Trainer) -> None:
 
         convert = load_type(opts.convert_fn)
     info = ck.checkpoint_info(path)
+    plans = info.get("plans") or []
     same_plan = (
         info["save_type"] in ("sharded", "deduped")
-        and info.get("world_size") == trainer.world_size
-        and (info.get("plans") or [None])[trainer.rank % len(info.get("plans") or [None])]
-        == trainer.model.plan_id
+        and info.get("world_size") == trainer.world_size == len(plans)
+        and plans[trainer.rank] == trainer.model.plan_id
         and not opts.with_merged
     )
     model, opt = trainer.model, trainer.optimizer

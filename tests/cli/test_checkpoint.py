@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from nnscaler.cli import Trainer
 from nnscaler.errors import CheckpointError
@@ -47,6 +48,11 @@ def test_resume_gives_bitwise_equal_losses(tmp_path, save_type, policy, plan):
     resumed = spawn(_train, 2, tmp_path, resumed_argv)[0]
     print(save_type, full, resumed)
     assert len(full) == 7 and resumed == full[3:]  # bitwise: float equality
+    merged = tmp_path / "merged.ckpt"
+    Trainer.merge_checkpoint(str(ckpt), str(merged))
+    state = torch.load(merged, weights_only=False)
+    assert state["model"]["lm_head.weight"].shape == (64, 32) and state["train_status"]["step"] == 3
+    assert len(state["optimizer"]["state"]) == len(state["optimizer"]["param_groups"][0]["param_names"])
 
 
 def _cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:

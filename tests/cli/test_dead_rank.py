@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -41,11 +42,14 @@ def test_peer_death_is_named(tmp_path):
 class FreezeAtStep3(TrainHook):
     def on_step_start(self, trainer, epoch, idx):
         if trainer.rank == 1 and trainer.train_status["step"] == 2:
-            os.kill(os.getpid(), signal.SIGSTOP)  # alive to the sockets, silent to everyone
+            # frozen: connections open, no heartbeat, no progress (then gone, so the test ends early)
+            trainer.heartbeat.stop()
+            time.sleep(8)
+            os._exit(0)
 
 
 def test_frozen_peer_is_named_by_the_heartbeat_watchdog(tmp_path, monkeypatch, capfd):
-    monkeypatch.setenv("NNSCALER_HEARTBEAT_TIMEOUT", "5")
+    monkeypatch.setenv("NNSCALER_HEARTBEAT_TIMEOUT", "4")
     argv = gpt_args(
         tmp_path,
         "tp",
@@ -57,5 +61,5 @@ def test_frozen_peer_is_named_by_the_heartbeat_watchdog(tmp_path, monkeypatch, c
         spawn(_train, 2, tmp_path, argv, timeout=120)
     err = capfd.readouterr().err
     assert (
-        "nnscaler: PeerError: rank 0: rank 1 died (sent no heartbeat for 5 s), during training step 3" in err
+        "nnscaler: PeerError: rank 0: rank 1 died (sent no heartbeat for 4 s), during training step 3" in err
     )

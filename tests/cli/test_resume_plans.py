@@ -1,9 +1,9 @@
 """A checkpoint saved under one plan and GPU count resumes under another and continues the loss curve:
-tp on (2, 2) -> dp on (1, 2) -> hybrid on (2, 4), then merged into one file by the CLI verb."""
+tp on (2, 2) -> dp on (1, 2) (saving merged checkpoints) -> hybrid on (2, 4), then merged into one
+file by the CLI verb."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from nnscaler.cli import Trainer
@@ -32,14 +32,15 @@ def test_resume_under_other_plans_and_gpu_counts(tmp_path):
     reference = spawn(
         _train, 2, tmp_path, _argv(tmp_path, "tp", "tp", 2, 2, 7, **{"checkpoint.every_n_train_steps": 3})
     )[0]
-    dp = spawn(
-        _train,
-        2,
-        tmp_path,
-        _argv(
-            tmp_path, "dp", "dp", 1, 2, 5, **{"checkpoint.resume_from": str(tmp_path / "ckpt_tp/0000-0003")}
-        ),
-    )[0]
+    from_tp = {
+        "checkpoint.resume_from": str(tmp_path / "ckpt_tp/0000-0003"),
+        "checkpoint.save_type": "merged",
+    }
+    dp = spawn(_train, 2, tmp_path, _argv(tmp_path, "dp", "dp", 1, 2, 5, **from_tp))[0]
+    assert sorted(p.name for p in (tmp_path / "ckpt_dp" / "last").iterdir()) == [
+        "complete.json",
+        "merged.ckpt",
+    ]
     pipeline = {"compute_config.pas_config.pipeline_nmicros": 2, "compute_config.pas_config.pp_size": 2}
     hybrid = spawn(
         _train,
@@ -71,20 +72,3 @@ def test_resume_under_other_plans_and_gpu_counts(tmp_path):
     Trainer.merge_checkpoint(str(tmp_path / "ckpt_dp" / "last"), str(pt))
     merged = torch.load(pt, weights_only=False)
     assert merged["train_status"]["step"] == 5 and "param_names" in merged["optimizer"]["param_groups"][0]
-
-
-@pytest.mark.parametrize("save_type", ["merged"])
-def test_merged_save_type_resumes(tmp_path, save_type):
-    steps = {"checkpoint.save_type": save_type, "checkpoint.every_n_train_steps": 2}
-    first = spawn(_train, 2, tmp_path, _argv(tmp_path, "a", "tp", 2, 2, 4, **steps))[0]
-    assert sorted(p.name for p in (tmp_path / "ckpt_a" / "0000-0002").iterdir()) == [
-        "complete.json",
-        "merged.ckpt",
-    ]
-    resumed = spawn(
-        _train,
-        2,
-        tmp_path,
-        _argv(tmp_path, "b", "tp", 2, 2, 4, **{"checkpoint.resume_from": str(tmp_path / "ckpt_a/0000-0002")}),
-    )[0]
-    assert resumed == first[2:]
