@@ -146,3 +146,9 @@ def test_node_flops(zoo_graphs):
     assert node_flops(q, graph) == 2 * 4 * 16 * 64 * 64  # batch 4, seq 16, 64 -> 64
     sdpa = next(n for n in graph.nodes if "scaled_dot_product_attention" in n.op)
     assert node_flops(sdpa, graph) == 2 * (4 * 4 * 16 * 16) * 16 * 2  # QK^T and AV, 4 heads of 16
+
+
+def test_addmm_flops_count_the_contracted_dim(zoo_graphs):
+    graph = zoo_graphs["gpt2"][0]
+    addmm = next(n for n in graph.nodes if n.op == "aten.addmm.default")  # c_attn: (64, 64) @ (64, 192)
+    assert node_flops(addmm, graph) == 2 * 64 * 192 * 64

@@ -9,7 +9,7 @@ from nnscaler.graph.ir import Graph, Layout, Node, Replicate, Shard, iter_refs
 from nnscaler.graph.ops import annotate_node, get_rule, is_bias_split, layouts_for, split_candidates
 from nnscaler.policies.autodist.comm import all_reduce
 from nnscaler.policies.autodist.constraints import PartitionConstraints
-from nnscaler.policies.autodist.cost import CostContext, compute_time, local_bytes, node_flops
+from nnscaler.policies.autodist.cost import CostContext, compute_time, is_free_op, local_bytes, node_flops
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.blocks import blocks_hint
 from nnscaler.policies.plan import REPLICATE, NodePlan
@@ -103,6 +103,7 @@ def node_choices(
     )
     flops = node_flops(node, graph) * scale
     dtype = next((m.dtype for m in metas_out if m is not None), "float32")
+    free = is_free_op(node, graph)
     matmul = node.op.startswith(_MATMUL_PREFIX) or "attention" in node.op or "conv" in node.op
     for plan in _plans(graph, node, bound, ctx.ways):
         if constraints is not None and not constraints.allows(graph, node, bound, plan):
@@ -119,7 +120,7 @@ def node_choices(
         moved = sum(local_bytes(b, lay_, ways) for b, lay_ in zip(in_bytes, ins)) + sum(
             local_bytes(b, lay_, ways) for b, lay_ in zip(out_bytes, outs)
         )
-        compute = compute_time(flops / ways, moved, ctx, dtype, matmul)
+        compute = 0.0 if free else compute_time(flops / ways, moved, ctx, dtype, matmul)
         comm = _internal_comm(bound, rule, plan, in_bytes, out_bytes, ctx)
         param_local = 0.0
         sync = 0.0

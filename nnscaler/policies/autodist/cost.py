@@ -22,11 +22,13 @@ __all__ = [
     "reshard_time",
     "local_bytes",
     "traced_batch_size",
+    "is_free_op",
 ]
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
 """Bytes per element by dtype name (others: 4)."""
 
+_BIAS_FIRST = {"aten.addmm.default", "aten.baddbmm.default"}
 _CONTRACTING = {
     "aten.linear.default": -1,
     "aten.mm.default": -1,
@@ -38,6 +40,48 @@ _CONTRACTING = {
     "aten._grouped_mm.default": -1,
     "transformers.grouped_mm_fallback.default": -1,
 }
+
+
+_METADATA_OPS = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "transpose",
+    "permute",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "slice",
+    "select",
+    "t",
+    "alias",
+    "split",
+    "chunk",
+    "detach",
+    "unflatten",
+    "flatten",
+    "split_with_sizes",
+    "unbind",
+    "view_as",
+    "expand_as",
+    "narrow",
+    "movedim",
+    "_to_copy_noop",
+}
+"""Ops that only change a tensor's metadata (no kernel, no memory traffic) in the usual case."""
+
+
+def is_free_op(node: Node, graph: Graph) -> bool:
+    """True for views and for casts to the dtype the tensor already has."""
+    parts = node.op.split(".")
+    base = parts[1] if node.op.startswith("aten.") and len(parts) > 1 else node.op
+    if base in _METADATA_OPS:
+        return True
+    if base == "to":
+        ins = [graph.values[n].meta for n in node.input_names() if graph.values[n].meta is not None]
+        outs = [graph.values[o].meta for o in node.outputs if graph.values[o].meta is not None]
+        return bool(ins and outs) and ins[0].dtype == outs[0].dtype
+    return False
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -105,7 +149,8 @@ def node_flops(node: Node, graph: Graph) -> float:
     out = sum(m.numel for m in outs)
     ins = [graph.values[n].meta for n in node.input_names() if graph.values[n].meta is not None]
     if node.op in _CONTRACTING and ins and ins[0].shape:
-        return 2.0 * out * ins[0].shape[-1]
+        first = 1 if node.op in _BIAS_FIRST and len(ins) > 1 else 0  # addmm(bias, x, w)
+        return 2.0 * out * ins[first].shape[-1]
     if node.op.startswith("aten.scaled_dot_product_attention") and len(ins) >= 3 and len(ins[1].shape) >= 2:
         q, k, v = ins[0].shape, ins[1].shape, ins[2].shape
         qn = ins[0].numel
