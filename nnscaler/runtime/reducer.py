@@ -204,27 +204,16 @@ class Reducer:
             raise ValueError(
                 f"ZeRO stage {stage} is not supported by the reducer (1 or 2; 3 is zero3.Zero3Reducer)"
             )
-        self.params = [p for p in params if p.requires_grad]
-        self.group = group
-        self.dp_size = dist.get_world_size(group)
-        self.zero_group = zero_group
-        self.cross_group = cross_group
-        self.zero = zero_group is not None
-        self.stage = stage if self.zero else 0
-        self.scatter = self.zero and (scatter or self.stage >= 2)
-        self.async_op = async_op or self.stage >= 2
-        self.hier = hierarchy if not self.zero else None
-        """Hierarchical all-reduce (runtime/hierarchy.py): buckets are reduce-scattered inside the node,
-        their slices all-reduced across nodes (the cross phase), then all-gathered back."""
-        self.enabled = True
-        """False inside `no_sync`: hooks collect gradients but launch nothing."""
-        self.settle_after_backward = True
-        """Async: at the end of each backward pass (outside `no_sync`) wait for the reductions it
-        launched and expose the averaged gradients as `.grad`, as torch DDP does; `train_step` turns it
-        off (the schedule's later work overlaps them; its final `sync` waits)."""
-        self._in_pass = False
-        self._queue: list[Bucket] = []
-        """Buckets launched and not yet taken in, in launch order."""
+        self._init_state(
+            params,
+            group,
+            zero_group=zero_group,
+            cross_group=cross_group,
+            scatter=scatter,
+            stage=stage,
+            async_op=async_op,
+            hierarchy=hierarchy,
+        )
         split = zero_group if zero_group is not None else (self.hier.intra if self.hier else None)
         nshards = dist.get_world_size(split) if split is not None else 1
         index = dist.get_rank(split) if split is not None else 0
@@ -270,7 +259,6 @@ class Reducer:
             self.buckets.append(bucket)
         self.upcast = any(b.upcast for b in self.buckets)
         """Some gradients are kept wider than their parameters (in `.main_grad`, see buckets.py)."""
-        self._hooks = []
         if self.async_op:
             for bucket in self.buckets[:nhooked]:
                 for i, p in enumerate(bucket.params):
@@ -284,6 +272,42 @@ class Reducer:
                 o = bucket.offsets[i] + start
                 view = nn.Parameter(bucket.data[o : o + end - start], requires_grad=True)
                 self.pieces.append(ZeroPiece(bucket.params[i], view, start, end, bucket, o))
+
+    def _init_state(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        group: dist.ProcessGroup,
+        *,
+        zero_group: dist.ProcessGroup | None,
+        cross_group: dist.ProcessGroup | None,
+        scatter: bool,
+        stage: int,
+        async_op: bool,
+        hierarchy: Hierarchy | None,
+    ) -> None:
+        """The fields every reducer has (this one and zero3.Zero3Reducer, which makes its own buckets)."""
+        self.params = [p for p in params if p.requires_grad]
+        self.group = group
+        self.dp_size = dist.get_world_size(group)
+        self.zero_group = zero_group
+        self.cross_group = cross_group
+        self.zero = zero_group is not None
+        self.stage = stage if self.zero else 0
+        self.scatter = self.zero and (scatter or self.stage >= 2)
+        self.async_op = async_op or self.stage >= 2
+        self.hier = hierarchy if not self.zero else None
+        """Hierarchical all-reduce (runtime/hierarchy.py): buckets are reduce-scattered inside the node,
+        their slices all-reduced across nodes (the cross phase), then all-gathered back."""
+        self.enabled = True
+        """False inside `no_sync`: hooks collect gradients but launch nothing."""
+        self.settle_after_backward = True
+        """Async: at the end of each backward pass (outside `no_sync`) wait for the reductions it
+        launched and expose the averaged gradients as `.grad`, as torch DDP does; `train_step` turns it
+        off (the schedule's later work overlaps them; its final `sync` waits)."""
+        self._in_pass = False
+        self._queue: list[Bucket] = []
+        """Buckets launched and not yet taken in, in launch order."""
+        self._hooks: list[Any] = []
 
     # ---- backward ------------------------------------------------------------------------------------
 

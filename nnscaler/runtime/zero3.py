@@ -88,22 +88,23 @@ class Zero3Reducer(Reducer):
         gather_group: dist.ProcessGroup | None = None,
         prefetch: int = 1,
     ) -> None:
-        # the Reducer's fields, set here: its buckets are made from blocks, not by size
-        self.params = [p for _, _, p in named if p.requires_grad]
-        self.group = group
-        self.dp_size = dist.get_world_size(group)
-        self.zero_group, self.cross_group = zero_group, cross_group
+        # the Reducer's fields (its buckets are made here, from blocks, not by size)
+        self._init_state(
+            [p for _, _, p in named],
+            group,
+            zero_group=zero_group,
+            cross_group=cross_group,
+            scatter=True,
+            stage=3,
+            async_op=True,
+            hierarchy=None,
+        )
+        self.settle_after_backward = False  # reduce-scatter: gradients are slices, never `.grad`
         self.gather_group = gather_group if gather_group is not None else zero_group
         """The ZeRO group's twin the parameter all-gathers run on: on NCCL a communicator of their own,
         so a prefetch does not queue behind the reduce-scatters of the blocks backward finished."""
         self.prefetch = prefetch
         """Blocks gathered ahead of the current one, in forward and in backward."""
-        self.zero, self.stage, self.scatter, self.async_op = True, 3, True, True
-        self.enabled = True
-        self.settle_after_backward = False  # reduce-scatter: gradients are slices, never `.grad`
-        self.hier = None  # ZeRO's own groups: no hierarchical all-reduce
-        self._in_pass = False
-        self._queue: list[Bucket] = []
         nshards, index = dist.get_world_size(zero_group), dist.get_rank(zero_group)
 
         blocks: dict[str, Block] = {}
@@ -128,7 +129,6 @@ class Zero3Reducer(Reducer):
             return grad_dtype
 
         self.buckets: list[Bucket] = []
-        self._hooks = []
         self.pieces: list[ZeroPiece] = []
         for flat in self.flats:
             if not flat.requires_grad:
