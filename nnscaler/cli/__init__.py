@@ -4,6 +4,7 @@ python -m nnscaler.cli.train -f cfg.yaml --compute_config.plan_ngpus 2
 torchrun --nproc_per_node 4 -m nnscaler.cli.train -f cfg.yaml
 """
 
+from nnscaler.cli.aggregate import AggregatedOutputs
 from nnscaler.cli.configs import (
     CheckpointConfig,
     DataloaderConfig,
@@ -29,6 +30,7 @@ __all__ = [
     "Trainer",
     "TrainerArgs",
     "TrainHook",
+    "AggregatedOutputs",
     "AggregatedTrainHook",
     "OptionalComputeConfig",
     "ModuleParallelizeConfig",

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler.cli import resume as _resume
+from nnscaler.cli.aggregate import AggregatedOutputs, default_aggregate, scale_grads
 from nnscaler.cli.loading import load_type
 from nnscaler.cli.peers import Heartbeat
 from nnscaler.cli.progress import Progress
@@ -32,6 +33,7 @@ from nnscaler.errors import ConfigError, NnScalerError
 from nnscaler.parallel import parallelize
 from nnscaler.runtime import init as nnscaler_init
 from nnscaler.runtime import rng as _shard_rng  # its shard generators are part of the random state
+from nnscaler.runtime.groups import create_groups, get_group
 
 __all__ = ["Trainer", "TrainStatus"]
 
@@ -119,6 +121,7 @@ class Trainer:
         self.pending_rng: dict[str, Any] | None = None
         self._saved_step = -1
         self.heartbeat: Heartbeat | None = None
+        self.sync_group: Any = None
         self._val_step = -1
         self.last_val_loss: float | None = None
         self.losses: list[float] = []
@@ -158,6 +161,11 @@ class Trainer:
                 f"compute_config.runtime_ngpus is {cc.runtime_ngpus} but {self.world_size} processes run: start "
                 f"{cc.runtime_ngpus} (torchrun --nproc_per_node {cc.runtime_ngpus}) or set runtime_ngpus"
             )
+        if args.optimizer.grad_reduction == "per-token-mean" and cc.use_zero:
+            raise ConfigError(
+                "optimizer.grad_reduction 'per-token-mean' is not supported with compute_config.use_zero yet "
+                "(the gradients live in the ZeRO buckets); use 'mean' or 'sum'"
+            )
         if args.model.parallel_modules:
             raise ConfigError(
                 "model.parallel_modules is not supported by this trainer yet: parallelize the whole model"
@@ -189,6 +197,9 @@ class Trainer:
                 f"({self.model.nmicros_per_scheduler_step}): a pipelined train_step takes that many micro-batches"
             )
         self.replica, self.num_replicas = self.rank // cc.plan_ngpus, args.scaling_factor
+        create_groups([cc.get_sync_group(r) for r in range(cc.plan_ngpus)])
+        self.sync_group = get_group(cc.get_sync_group(self.rank))
+        """The ranks at this rank's place in every replica (nnScaler's sync group)."""
         self.loaders = {}
         for stage in ("train", "val"):
             ds = self.train_dataset if stage == "train" else args.create_dataset(stage)
@@ -263,15 +274,20 @@ class Trainer:
         """Micro-batches of this epoch one replica has run."""
         return self.train_status["next_sample"] // (self.train_args.micro_batch_size * self.num_replicas)
 
-    def _aggregate(self, losses: list[torch.Tensor]) -> tuple[float, int]:
-        """Sum of the micro-batch losses over every replica, and how many there were."""
-        total = torch.stack([loss.detach().reshape(()) for loss in losses]).to(torch.float64).sum()
-        count = torch.tensor(float(len(losses)), dtype=torch.float64, device=total.device)
-        both = torch.stack([total, count])
-        if self.world_size > 1:
-            dist.all_reduce(both)
-            both /= self.train_args.compute_config.plan_ngpus  # every rank of a replica holds its losses
-        return float(both[0]), round(float(both[1]))
+    def _aggregate(self, outputs: list[Any]) -> AggregatedOutputs:
+        """The step's outputs summed over every replica (optimizer.aggregate_outputs_fn, or losses)."""
+        fn = self.train_args.resolved_aggregate_outputs_fn or default_aggregate
+        return fn(outputs, self.sync_group)
+
+    def _reduced_loss(self, agg: AggregatedOutputs) -> float:
+        how = self.train_args.optimizer.loss_reduction
+        if how == "sum":
+            return agg.loss_sum
+        if how == "per-token-mean":
+            if not agg.num_tokens:
+                raise ConfigError("optimizer.aggregate_outputs_fn must set num_tokens for per-token-mean")
+            return agg.loss_sum / agg.num_tokens
+        return agg.loss_sum / max(agg.num_batches, 1)
 
     def _train(self) -> None:
         args, status = self.train_args, self.train_status
@@ -332,14 +348,15 @@ class Trainer:
             chunk, scale_fn=(lambda loss: loss * scale) if scale is not None else None
         )
         hook.on_train_step_end(self, losses)
-        loss_sum, count = self._aggregate(losses)
-        loss = loss_sum / count if args.optimizer.loss_reduction != "sum" else loss_sum
-        hook.after_aggregate_train_step_outputs(self, None, loss)
+        agg = self._aggregate(losses)
+        count = agg.num_batches
+        loss = self._reduced_loss(agg)
+        hook.after_aggregate_train_step_outputs(self, agg, loss)
         hook.before_sync_grad(self)
-        if reduction == "per-token-mean":
-            raise ConfigError(
-                "optimizer.grad_reduction 'per-token-mean' is not supported by this trainer yet"
-            )
+        if reduction == "per-token-mean":  # train_step averaged over replicas; now a mean per token
+            if not agg.num_tokens:
+                raise ConfigError("optimizer.aggregate_outputs_fn must set num_tokens for per-token-mean")
+            scale_grads(self.model, args.scaling_factor / agg.num_tokens)
         hook.after_sync_grad(self)
         hook.before_gnorm_clip(self)
         clip = args.optimizer.clip_gnorm or None
@@ -365,10 +382,10 @@ class Trainer:
             "train/step_time": wall,
             "train/samples_per_sec": count * args.micro_batch_size / max(wall, 1e-9),
         }
-        hook.before_log_train_metrics(self, metrics, None)
+        hook.before_log_train_metrics(self, metrics, agg)
         self.log_metrics(metrics, status["step"])
         self.progress.update(status["step"], loss, metrics["train/samples_per_sec"])
-        hook.on_step_end(self, epoch, idx, metrics, None)
+        hook.on_step_end(self, epoch, idx, metrics, agg)
 
     def _validate(self) -> float | None:
         if "val" not in self.loaders:
@@ -379,8 +396,7 @@ class Trainer:
         args = self.train_args
         self.hook.on_val_start(self)
         self.model.eval()
-        loss_sum, count = 0.0, 0
-        _, sampler = self.loaders["val"]
+        total = AggregatedOutputs(loss_sum=0.0, num_batches=0)
         saved = rng_states()
         for i, chunk in enumerate(self._micro_chunks("val")):
             if args.max_val_steps and i >= args.max_val_steps:
@@ -388,12 +404,15 @@ class Trainer:
             self.hook.on_val_step_start(self, chunk)
             losses = self.model.infer_step(chunk)
             self.hook.on_val_step_end(self, losses)
-            s, c = self._aggregate(losses)
-            loss_sum, count = loss_sum + s, count + c
+            agg = self._aggregate(losses)
+            total.loss_sum += agg.loss_sum
+            total.num_batches += agg.num_batches
+            if agg.num_tokens is not None:
+                total.num_tokens = (total.num_tokens or 0) + agg.num_tokens
         set_rng_states(saved)  # validation does not change the training's random stream
         self.model.train()
-        val_loss = loss_sum / max(count, 1)
-        self.hook.after_aggregate_val_step_outputs(self, None, val_loss)
+        val_loss = self._reduced_loss(total)
+        self.hook.after_aggregate_val_step_outputs(self, total, val_loss)
         metrics = {"val/loss": val_loss}
         self.hook.before_log_val_metrics(self, metrics)
         self.log_metrics(metrics, self.train_status["step"])

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Union
 import torch
 import yaml
 
+from nnscaler.cli.aggregate import AggregatedOutputs
 from nnscaler.cli.arg_parser import (
     DESERIALIZE_KEY,
     NORMALIZE_KEY,
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TrainerArgs",
+    "AggregatedOutputs",
     "ComputeConfig",
     "OptionalComputeConfig",
     "ModuleParallelizeConfig",

@@ -27,3 +27,35 @@ def test_gpt_trains_on_two_ranks(tmp_path, policy, extra):
     assert len(losses[0]) == 8
     assert losses[0][-1] < losses[0][0] - 0.5
     assert (tmp_path / "gen").is_dir()
+
+
+def one_token_per_micro_batch(outputs, sync_group):
+    """per-token-mean with every micro-batch counted as one token: the same as mean."""
+    from nnscaler.cli import AggregatedOutputs
+
+    return AggregatedOutputs.aggregate(outputs, sync_group, lambda o: o, ntokens_fn=lambda o: 1)
+
+
+def test_grad_and_loss_reductions(tmp_path):
+    def run(name, **kw):
+        sgd = {"optimizer.type": "torch.optim.SGD", "optimizer.args.lr": 0.5, "optimizer.clip_gnorm": 0}
+        argv = gpt_args(
+            tmp_path / name, "dp", 1, 1, max_train_steps=3, **{"checkpoint.no_save": None}, **sgd, **kw
+        )
+        trainer = Trainer(argv)
+        trainer.run()
+        return trainer.losses
+
+    mean = run("mean")
+    per_token = run(
+        "tok",
+        **{
+            "optimizer.grad_reduction": "per-token-mean",
+            "optimizer.loss_reduction": "per-token-mean",
+            "optimizer.aggregate_outputs_fn": "tests.cli.test_trainer.one_token_per_micro_batch",
+        },
+    )
+    assert per_token == pytest.approx(mean, rel=1e-6)
+    summed = run("sum", **{"optimizer.loss_reduction": "sum", "optimizer.grad_reduction": "sum"})
+    assert summed[0] == pytest.approx(2 * mean[0], rel=1e-6)  # 2 micro-batches per step
+    assert summed[1] != pytest.approx(2 * mean[1], rel=1e-3)  # SGD: doubled gradients, another step
