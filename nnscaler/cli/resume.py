@@ -34,9 +34,10 @@ from nnscaler.runtime.checkpoint_keys import module_keys
 from nnscaler.version import __version__
 
 if TYPE_CHECKING:
+    from nnscaler.cli.configs import CheckpointConfig
     from nnscaler.cli.trainer import Trainer
 
-__all__ = ["save", "resume", "merge_checkpoint", "read_merged"]
+__all__ = ["save", "resume", "check_before_start", "merge_checkpoint", "read_merged"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,20 @@ def read_merged(path: Path, convert_fn: Any = None) -> dict[str, Any]:
         "optimizer": opt_sd,
         "rng_states": [d["rng_states"] for d in datas],
     }
+
+
+def check_before_start(cfg: CheckpointConfig) -> None:
+    """Before anything is compiled or written: the checkpoint to resume from must be complete, and a
+    run that starts afresh must not write over the checkpoints of an earlier run."""
+    path = cfg.get_resume_checkpoint()
+    if path is not None:
+        ck.resolve_checkpoint(path)
+    elif not cfg.no_save and ck.step_dirs(cfg.save_dir):
+        newest = ck.step_dirs(cfg.save_dir)[-1]
+        raise CheckpointError(
+            f"checkpoint.save_dir {cfg.save_dir} already holds checkpoints (newest: {newest.name}) and this run "
+            "starts afresh: resume them with checkpoint.resume_from=last, or choose another checkpoint.save_dir"
+        )
 
 
 def resume(trainer: Trainer) -> None:

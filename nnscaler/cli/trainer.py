@@ -170,6 +170,7 @@ class Trainer:
             raise ConfigError(
                 "model.parallel_modules is not supported by this trainer yet: parallelize the whole model"
             )
+        _resume.check_before_start(args.checkpoint)  # fail before compiling, and overwrite nothing
         args.init_env(self)
         self.train_dataset = args.create_dataset("train")
         dummy = self._dummy_sample()

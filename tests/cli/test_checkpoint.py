@@ -132,3 +132,13 @@ def test_keep_last_n_and_best(tmp_path):
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert names == ["0000-0007", "0000-0008", "best", "last"]
     assert os.readlink(tmp_path / "ckpt" / "best") == "0000-0008"  # the loss keeps falling
+
+
+def test_a_fresh_run_does_not_overwrite_earlier_checkpoints(tmp_path):
+    Trainer(gpt_args(tmp_path, "dp", 1, 1, max_train_steps=2)).run()
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "ckpt").rglob("*.ckpt")}
+    with pytest.raises(
+        CheckpointError, match="already holds checkpoints .newest: 0000-0002.*resume_from=last"
+    ):
+        Trainer(gpt_args(tmp_path, "dp", 1, 1, max_train_steps=2)).run()
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "ckpt").rglob("*.ckpt")} == before
