@@ -123,3 +123,39 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path, capsys):
     ).run()
     assert main(["plot", str(tmp_path / "tb" / "run"), str(tmp_path / "loss.png")]) == 2
     assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_wandb_logger_calls(monkeypatch, tmp_path):
+    """wandb is optional and not installed here: a stand-in module records what the logger does."""
+    import sys
+    import types
+
+    calls = []
+
+    class Run:
+        def log(self, data, step):
+            calls.append(("log", data, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(("init", kw)) or Run()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    argv = gpt_args(
+        tmp_path,
+        "dp",
+        1,
+        1,
+        max_train_steps=2,
+        **{
+            "log.0.type": "WandbLogger",
+            "log.0.args.project": "p",
+            "log.0.args.mode": "offline",
+            "checkpoint.no_save": None,
+        },
+    )
+    Trainer(argv).run()
+    assert calls[0][0] == "init" and calls[0][1]["project"] == "p" and calls[0][1]["mode"] == "offline"
+    assert calls[0][1]["config"]["pas_policy"] == "dp"
+    assert [c[2] for c in calls if c[0] == "log"] == [1, 2] and calls[-1] == ("finish",)
