@@ -9,6 +9,7 @@ from enum import Enum
 from typing import Any
 
 from nnscaler.errors import ConfigError
+from nnscaler.mesh import ParallelDims
 
 __all__ = ["ComputeConfig", "ReuseType", "BroadcastGenFilesStrategy"]
 
@@ -129,18 +130,23 @@ class ComputeConfig:
             )
 
     @property
+    def dims(self) -> ParallelDims:
+        """The run's rank arithmetic (plan / data-parallel / ZeRO axes)."""
+        assert self.runtime_ngpus is not None
+        return ParallelDims(self.plan_ngpus, self.runtime_ngpus, self.zero_ngroups)
+
+    @property
     def dp_size(self) -> int:
         """Number of data-parallel replicas of the plan."""
-        return self.runtime_ngpus // self.plan_ngpus
+        return self.dims.dp_size
 
     def get_sync_group(self, rank: int) -> list[int]:
         """Ranks that hold the same plan device as `rank` (its data-parallel group)."""
-        return list(range(rank % self.plan_ngpus, self.runtime_ngpus, self.plan_ngpus))
+        return self.dims.dp_group(rank)
 
     def get_plan_group(self, rank: int) -> list[int]:
         """Ranks that together run one copy of the plan with `rank`."""
-        start = (rank // self.plan_ngpus) * self.plan_ngpus
-        return list(range(start, start + self.plan_ngpus))
+        return self.dims.plan_group(rank)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nnscaler.mesh import ParallelDims
 from nnscaler.runtime.groups import create_groups, get_group
 
 __all__ = [
@@ -114,7 +115,7 @@ def build_hierarchy(
     if choice is False or not dist.is_initialized():
         return None
     per_node = node_size(world_size)
-    splits = [split_by_node(list(range(i, world_size, plan_ngpus)), per_node) for i in range(plan_ngpus)]
+    splits = [split_by_node(dp, per_node) for dp in ParallelDims(plan_ngpus, world_size).dp_groups()]
     if any(s is None for s in splits):  # every data-parallel group alike (they mirror each other)
         return None
     intra_all = [g for s in splits if s is not None for g in s[0]]

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nnscaler.config import ComputeConfig
+from nnscaler.mesh import ParallelDims
 from nnscaler.runtime import preflight, shapes
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.end2end import EndToEndMixin
@@ -141,9 +142,10 @@ class ParallelModule(EndToEndMixin, nn.Module):
         self._zero3: Zero3Reducer | None = None
         """ZeRO stage 3 (the reducer, once built): hands out gathered parameters, see `__getattr__`."""
         self._tied: dict[str, list[int]] = {}  # see EndToEndMixin.add_tied
-        create_groups([*all_groups, *self._implied_groups()])
+        self.dims = ParallelDims(plan_ngpus, world_size)
+        create_groups([*all_groups, *self.dims.plan_groups(), *self.dims.dp_groups()])
         if plan_ngpus > 1:  # the per-call input-shape check runs over the plan's ranks on the host
-            create_host_groups([list(range(s, s + plan_ngpus)) for s in range(0, world_size, plan_ngpus)])
+            create_host_groups(self.dims.plan_groups())
         self._in_step = False  # inside train_step / infer_step: forward skips the checks made there
         self.register_forward_pre_hook(_before_forward, with_kwargs=True)
         self.register_forward_hook(_after_forward, always_call=True)
@@ -151,17 +153,10 @@ class ParallelModule(EndToEndMixin, nn.Module):
     # ---- groups -------------------------------------------------------------------------------------
 
     def _plan_ranks(self) -> list[int]:
-        start = self.rank // self.plan_ngpus * self.plan_ngpus
-        return list(range(start, start + self.plan_ngpus))
+        return self.dims.plan_group(self.rank)
 
     def _dp_ranks(self) -> list[int]:
-        return list(range(self.rank % self.plan_ngpus, self.world_size, self.plan_ngpus))
-
-    def _implied_groups(self) -> list[list[int]]:
-        p, w = self.plan_ngpus, self.world_size
-        plans = [list(range(s, s + p)) for s in range(0, w, p)]
-        dps = [list(range(i, w, p)) for i in range(p)]
-        return plans + dps
+        return self.dims.dp_group(self.rank)
 
     def _preflight(self, what: str, named_inputs: Callable[[], Iterable[tuple[str, Any]]]) -> None:
         """Before running: refuse without the process group; the ranks of the plan got the same shapes."""

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from nnscaler.mesh import ParallelDims
 from nnscaler.runtime.buckets import Bucket, pack_buckets
 from nnscaler.runtime.groups import create_groups, get_group
 from nnscaler.runtime.hierarchy import Hierarchy, build_hierarchy
@@ -533,12 +534,7 @@ def zero_process_groups(
     """This rank's ZeRO group and cross group (`zero_groups` of its data-parallel group); None for a
     group of one rank. Collective: creates the groups of every data-parallel group, in the same order
     on every rank."""
-    parts: list[list[int]] = []
-    crosses: list[list[int]] = []
-    for i in range(plan_ngpus):
-        p, c = zero_groups(list(range(i, world_size, plan_ngpus)), ngroups)
-        parts += p
-        crosses += c
+    parts, crosses = ParallelDims(plan_ngpus, world_size, ngroups).all_zero_groups()
     create_groups(parts + crosses)
     zero_group = get_group(next(g for g in parts if rank in g))
     cross_group = get_group(next(g for g in crosses if rank in g))
@@ -546,17 +542,5 @@ def zero_process_groups(
 
 
 def zero_groups(dp_ranks: Sequence[int], ngroups: int) -> tuple[list[list[int]], list[list[int]]]:
-    """nnScaler's ZeRO groups of one data-parallel group: `ngroups` consecutive parts (optimizer state
-    is sharded within each) and the cross groups (the ranks with the same index in every part).
-
-    E.g. ranks [0, 2, 4, 6] with 2 groups: parts [0, 2], [4, 6]; cross groups [0, 4], [2, 6].
-    """
-    n = len(dp_ranks)
-    if ngroups < 1 or n % ngroups != 0:
-        raise ValueError(
-            f"ComputeConfig.zero_ngroups={ngroups} must divide the data-parallel size {n} (ranks {list(dp_ranks)})"
-        )
-    size = n // ngroups
-    parts = [list(dp_ranks[k * size : (k + 1) * size]) for k in range(ngroups)]
-    cross = [list(dp_ranks[j::size]) for j in range(size)]
-    return parts, cross
+    """nnScaler's ZeRO groups of one data-parallel group (see `ParallelDims.zero_parts`)."""
+    return ParallelDims(1, len(dp_ranks), ngroups).zero_parts(list(dp_ranks))

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nnscaler.mesh import ParallelDims
 from nnscaler.runtime.buckets import Bucket
 from nnscaler.runtime.comm import _all_gather_single
 from nnscaler.runtime.groups import create_twin_groups, get_twin_group
@@ -55,7 +56,6 @@ from nnscaler.runtime.reducer import (
     DEFAULT_BUCKET_CAP_MB,
     Reducer,
     ZeroPiece,
-    zero_groups,
     zero_process_groups,
 )
 from nnscaler.runtime.store_sync import reach
@@ -456,7 +456,7 @@ def build_zero3(module: Any) -> Reducer | None:
             grad_dtype=grad_dtype,
         )
     zero_ranks = dist.get_process_group_ranks(zero_group)
-    every = [g for i in range(module.plan_ngpus) for g in _zero_parts(module, i, config.zero_ngroups)]
+    every, _ = ParallelDims(module.plan_ngpus, module.world_size, config.zero_ngroups).all_zero_groups()
     create_twin_groups(every, "zero3-gather")
     return Zero3Reducer(
         named,
@@ -467,9 +467,3 @@ def build_zero3(module: Any) -> Reducer | None:
         gather_group=get_twin_group(zero_ranks, "zero3-gather"),
         prefetch=getattr(config, "zero3_prefetch_blocks", 1),
     )
-
-
-def _zero_parts(module: Any, plan_index: int, ngroups: int) -> list[list[int]]:
-    """The ZeRO groups of the data-parallel group of plan device `plan_index`."""
-    dp_ranks = list(range(plan_index, module.world_size, module.plan_ngpus))
-    return zero_groups(dp_ranks, ngroups)[0]
