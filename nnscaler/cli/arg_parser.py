@@ -237,6 +237,10 @@ def _fix_optional(hint: Any) -> Any:
     return hint
 
 
+def _allows_none(hint: Any) -> bool:
+    return typing.get_origin(hint) in (Union, types.UnionType) and type(None) in typing.get_args(hint)
+
+
 def _fix_type(hint: Any, raise_on_nested: bool = True) -> Any:
     """`Optional[X]` -> X; Any and multi-type unions -> None; nested generics raise if asked."""
     hint = _fix_optional(hint)
@@ -388,9 +392,10 @@ def deserialize_dataclass(value: Any, value_type: type, *, _where: str = "") -> 
             continue
         if NORMALIZE_KEY in meta:
             v = meta[NORMALIZE_KEY](v)
-        ti = _type_info(hints.get(key, Any))
-        if ti.type is bool and v is None:
-            v = True  # a bare flag
+        hint = hints.get(key, Any)
+        ti = _type_info(hint)
+        if ti.type is bool and v is None and not _allows_none(hint):
+            v = True  # a bare flag (an Optional[bool] keeps None: its default, so to_dict round-trips)
         if v is None:
             continue
         if ti.type in (list, tuple, dict) and isinstance(v, str):
