@@ -193,7 +193,7 @@ class AutodistOptions(PipelineOptions):
         default=2.0, metadata=_doc("Transient buffers as a multiple of the largest activation.")
     )
     solver: Literal["auto", "cbc", "highs"] = field(
-        default="auto", metadata=_doc("Integer-program solver ('auto': HiGHS when installed, else CBC).")
+        default="auto", metadata=_doc("Integer-program solver ('auto': CBC, measured the faster here; 'highs' needs highspy).")
     )
 
 

@@ -44,17 +44,15 @@ def plan_offline(
 
     t0 = time.perf_counter()
     ndevices = ndevices or cluster.ndevices
-    pas = {**(pas_config or {}), "cluster": cluster.name or "offline"}
+    pas = {k: v for k, v in (pas_config or {}).items() if k != "cluster"}
     sizes = (
         [plan_ngpus] if plan_ngpus else [d for d in divisors(ndevices) if d <= (max_plan_ngpus or ndevices)]
     )
     results: list[tuple[Candidate, PlannerSetup]] = []
     errors = []
     for p in sizes:
-        cfg = ComputeConfig(
-            p, ndevices, use_end2end=end2end, pas_config={k: v for k, v in pas.items() if k != "cluster"}
-        )
-        setup = replace(planner_setup(graph, cfg), cluster=cluster)
+        cfg = ComputeConfig(p, ndevices, use_end2end=end2end, pas_config=pas)
+        setup = planner_setup(graph, cfg, cluster=cluster)
         setup = replace(setup, batch_scale=setup.batch_scale / setup.dp_size)
         try:
             best, _ = search(graph, setup)

@@ -35,10 +35,13 @@ def default_cluster() -> ClusterSpec:
     return load_cluster("cpu_gloo")
 
 
-def planner_setup(graph: Graph, cfg: ComputeConfig, opts: AutodistOptions | None = None) -> PlannerSetup:
-    """The search's inputs from a ComputeConfig and its pas_config."""
+def planner_setup(
+    graph: Graph, cfg: ComputeConfig, opts: AutodistOptions | None = None, cluster: ClusterSpec | None = None
+) -> PlannerSetup:
+    """The search's inputs from a ComputeConfig and its pas_config (`cluster` overrides pas_config's)."""
     opts = opts or AutodistOptions.from_pas_config(cfg.pas_config, strict=False)
-    cluster = load_cluster(opts.cluster) if opts.cluster else default_cluster()
+    if cluster is None:
+        cluster = load_cluster(opts.cluster) if opts.cluster else default_cluster()
     zero = opts.zero_stage if opts.zero_stage is not None else (cfg.zero_stage if cfg.use_zero else 0)
     if zero not in (0, 1, 2, 3):
         raise PlanError(f"pas_config['zero_stage'] must be 0, 1, 2 or 3, got {zero!r}")

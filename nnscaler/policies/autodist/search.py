@@ -65,6 +65,9 @@ class Candidate:
     """Node index where each pipeline stage starts (pp > 1)."""
     stage_times: list[float] = field(default_factory=list)
     recompute_paths: tuple[str, ...] = ()
+    origin: str = "ilp"
+    """'ilp': the searched partition; 'megatron': the tp policy's layout, kept where the model scores it
+    better (the ILP works on folded layers and per-edge costs, so a hand-made layout can edge it out)."""
 
     @property
     def time_per_micro(self) -> float:
@@ -72,7 +75,8 @@ class Candidate:
 
     def label(self) -> str:
         rc = ", recompute" if self.recompute else ""
-        return f"pp={self.pp} tp={self.tp} nmicros={self.nmicros}{rc}"
+        seed = ", megatron layout" if self.origin == "megatron" else ""
+        return f"pp={self.pp} tp={self.tp} nmicros={self.nmicros}{rc}{seed}"
 
 
 def divisors(n: int) -> list[int]:
@@ -203,6 +207,38 @@ def _pipeline_candidates(
     return out
 
 
+def _megatron_alternatives(graph: Graph, setup: PlannerSetup, scored: list[Candidate]) -> list[Candidate]:
+    """The tp policy's layout in the best configuration of each (pp, tp): kept if it fits."""
+    from nnscaler.config import ComputeConfig
+    from nnscaler.policies.autodist.evaluate import evaluate_nodes
+    from nnscaler.policies.tp import pas_tp
+
+    best: dict[tuple[int, int], Candidate] = {}
+    for c in scored:
+        key = (c.pp, c.tp)
+        if c.tp > 1 and (key not in best or c.time_per_micro < best[key].time_per_micro):
+            best[key] = c
+    out = []
+    for (pp, tp), c in sorted(best.items()):
+        try:
+            nodes = pas_tp(graph, ComputeConfig(tp, tp)).nodes
+            alt = evaluate_nodes(
+                graph,
+                setup,
+                nodes,
+                pp=pp,
+                starts=c.starts or None,
+                nmicros=c.nmicros,
+                recompute=c.recompute_paths,
+            )
+        except PlanError:
+            continue
+        if alt.memory <= setup.mem_limit:
+            alt.origin = "megatron"
+            out.append(alt)
+    return out
+
+
 def search(graph: Graph, setup: PlannerSetup) -> tuple[Candidate, list[Candidate]]:
     """The best configuration (by time per micro-batch) and every configuration scored."""
     pivots, instances = layer_instances(graph, setup.pivots)
@@ -220,5 +256,7 @@ def search(graph: Graph, setup: PlannerSetup) -> tuple[Candidate, list[Candidate
     if not scored:
         why = errors[0] if errors else "no configuration fits the memory limit"
         raise PlanError(f"autodist: {why}")
+    if setup.constraints.rules == () and setup.plan_ngpus > 1:
+        scored.extend(_megatron_alternatives(graph, setup, scored))
     best = min(scored, key=lambda c: (c.time_per_micro, c.pp, -c.tp, c.recompute))
     return best, scored
