@@ -252,10 +252,14 @@ class Trainer:
     def _micro_chunks(self, stage: str):
         """Lists of micro-batches, `update_freq` each (a shorter last one unless pipelined)."""
         loader, _ = self.loaders[stage]
+        # A resumed run restores the random state where the saved run was: before this epoch's
+        # iterator drew its seed (saved at an epoch's end) or after it (saved within the epoch).
+        restore, self.pending_rng = (self.pending_rng, None) if stage == "train" else (None, self.pending_rng)
+        if restore is not None and self.train_status["next_sample"] == 0:
+            set_rng_states(restore)
         it = iter(loader)
-        if self.pending_rng is not None:  # after the iterator took its seed, as the saved run did
-            set_rng_states(self.pending_rng)
-            self.pending_rng = None
+        if restore is not None and self.train_status["next_sample"] > 0:
+            set_rng_states(restore)
         n = self.train_args.update_freq
         chunk: list[Any] = []
         for batch in it:

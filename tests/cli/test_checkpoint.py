@@ -27,31 +27,37 @@ def _train(rank: int, world: int, argv: list[str]) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    "save_type, policy, plan",
-    [("sharded", "tp", 2), ("deduped", "dp", 1)],
+    "save_type, policy, plan, zero, every, at",
+    [
+        ("sharded", "tp", 2, False, "every_n_epochs", 5),  # saved at the end of epoch 0
+        ("deduped", "dp", 1, False, "every_n_train_steps", 3),  # saved within epoch 1
+        ("deduped", "dp", 1, True, "every_n_train_steps", 3),
+    ],
 )
-def test_resume_gives_bitwise_equal_losses(tmp_path, save_type, policy, plan):
-    # 40 samples: 5 steps per epoch on one replica (tp), 3 per replica on two (dp; the last one short);
-    # the run crosses epochs, the resumed part starts mid-epoch; dropout checks the RNG states
+def test_resume_gives_bitwise_equal_losses(tmp_path, save_type, policy, plan, zero, every, at):
+    # 40 samples: 5 steps per epoch on one replica (tp), 3 per replica on two (dp; the last one short),
+    # so the runs cross epochs; dropout checks that every random state is restored
     common = {
         "checkpoint.save_type": save_type,
         "dataset.train_args.size": 40,
         "model.args.config.dropout": 0.1,
         "max_train_steps": 7,
+        "compute_config.use_zero": zero,  # ZeRO: each replica saves and restores its optimizer slice
     }
-    full_argv = gpt_args(tmp_path, policy, plan, 2, **common, **{"checkpoint.every_n_train_steps": 3})
+    full_argv = gpt_args(tmp_path, policy, plan, 2, **common, **{f"checkpoint.{every}": 1 if at == 5 else at})
+    full_argv += ["--checkpoint.every_n_train_steps!"] if every == "every_n_epochs" else []
     full = spawn(_train, 2, tmp_path, full_argv)[0]
-    ckpt = tmp_path / "ckpt" / "0000-0003"
+    ckpt = next((tmp_path / "ckpt").glob(f"000?-000{at}"))
     assert json.loads((ckpt / "complete.json").read_text())["save_type"] == save_type
     resumed_argv = gpt_args(tmp_path, policy, plan, 2, **common, **{"checkpoint.resume_from": str(ckpt)})
     resumed_argv[resumed_argv.index("--checkpoint.save_dir") + 1] = str(tmp_path / "ckpt2")
     resumed = spawn(_train, 2, tmp_path, resumed_argv)[0]
     print(save_type, full, resumed)
-    assert len(full) == 7 and resumed == full[3:]  # bitwise: float equality
+    assert len(full) == 7 and resumed == full[at:]  # bitwise: float equality
     merged = tmp_path / "merged.ckpt"
     Trainer.merge_checkpoint(str(ckpt), str(merged))
     state = torch.load(merged, weights_only=False)
-    assert state["model"]["lm_head.weight"].shape == (64, 32) and state["train_status"]["step"] == 3
+    assert state["model"]["lm_head.weight"].shape == (64, 32) and state["train_status"]["step"] == at
     assert len(state["optimizer"]["state"]) == len(state["optimizer"]["param_groups"][0]["param_names"])
 
 
@@ -125,13 +131,14 @@ def test_keep_last_n_and_best(tmp_path):
             "dp",
             1,
             1,
+            max_train_steps=4,
             **{"checkpoint.every_n_train_steps": 1, "checkpoint.keep_last_n_checkpoints": 2},
         )
     )
     t.run()
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    assert names == ["0000-0007", "0000-0008", "best", "last"]
-    assert os.readlink(tmp_path / "ckpt" / "best") == "0000-0008"  # the loss keeps falling
+    assert names == ["0000-0003", "0000-0004", "best", "last"]
+    assert os.readlink(tmp_path / "ckpt" / "best") == "0000-0004"  # the loss keeps falling
 
 
 def test_a_fresh_run_does_not_overwrite_earlier_checkpoints(tmp_path):
