@@ -250,7 +250,7 @@ class Trainer:
     # ---- training -------------------------------------------------------------------------------
 
     def _micro_chunks(self, stage: str):
-        """Lists of micro-batches, `update_freq` each (a shorter last one unless pipelined)."""
+        """Lists of micro-batches, `update_freq` each (the last one may be shorter)."""
         loader, _ = self.loaders[stage]
         # A resumed run restores the random state where the saved run was: before this epoch's
         # iterator drew its seed (saved at an epoch's end) or after it (saved within the epoch).
@@ -267,13 +267,20 @@ class Trainer:
             if len(chunk) == n:
                 yield chunk
                 chunk = []
-        if chunk and not self.model.use_scheduler:
+        if chunk:
             yield chunk
 
+    def _padded(self, chunk: list[Any]) -> tuple[list[Any], list[bool] | None]:
+        """A pipeline's schedule takes exactly update_freq micro-batches: a short last chunk is padded
+        with copies of its last micro-batch, flagged as dummies (no loss, no gradient)."""
+        gap = self.train_args.update_freq - len(chunk)
+        if not self.model.use_scheduler or gap <= 0:
+            return chunk, None
+        return chunk + [chunk[-1]] * gap, [False] * len(chunk) + [True] * gap
+
     def _batches_per_epoch(self) -> int:
-        """Micro-batches one replica runs in an epoch (a pipeline drops an incomplete last step)."""
-        n = len(self.loaders["train"][0])
-        return n - n % self.train_args.update_freq if self.model.use_scheduler else n
+        """Micro-batches one replica runs in an epoch."""
+        return len(self.loaders["train"][0])
 
     def _replica_batches(self) -> int:
         """Micro-batches of this epoch one replica has run."""
@@ -349,9 +356,10 @@ class Trainer:
         n = len(chunk)
         reduction = args.optimizer.grad_reduction
         scale = {"mean": 1.0 / n, "sum": float(args.scaling_factor)}.get(reduction)
+        samples, dummy = self._padded(chunk)
         losses = self.model.train_step(
-            chunk, scale_fn=(lambda loss: loss * scale) if scale is not None else None
-        )
+            samples, is_dummy_batch=dummy, scale_fn=(lambda loss: loss * scale) if scale is not None else None
+        )[:n]
         hook.on_train_step_end(self, losses)
         agg = self._aggregate(losses)
         count = agg.num_batches
@@ -407,7 +415,7 @@ class Trainer:
             if args.max_val_steps and i >= args.max_val_steps:
                 break
             self.hook.on_val_step_start(self, chunk)
-            losses = self.model.infer_step(chunk)
+            losses = self.model.infer_step(self._padded(chunk)[0])[: len(chunk)]
             self.hook.on_val_step_end(self, losses)
             agg = self._aggregate(losses)
             total.loss_sum += agg.loss_sum
