@@ -17,8 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +31,10 @@ from nnscaler.runtime import preflight, shapes
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.end2end import EndToEndMixin
 from nnscaler.runtime.groups import create_groups, create_host_groups, get_group, get_host_group
-from nnscaler.runtime.reducer import Reducer, build_reducer, first_holders, grad_sq_norm, scale_grads
+from nnscaler.runtime.module_grads import GradientsMixin
+from nnscaler.runtime.reducer import Reducer
 from nnscaler.runtime.shard import Shard, local_shape, normalize_shard, shard_slice
-from nnscaler.runtime.zero3 import Zero3Reducer, build_zero3
+from nnscaler.runtime.zero3 import Zero3Reducer
 
 __all__ = ["ParallelModule", "ShardInfo", "EXTRA_STATE_FORMAT", "EXTRA_STATE_KEY"]
 
@@ -87,7 +87,7 @@ def _after_forward(module: ParallelModule, args: Any, output: Any) -> None:
         module._zero3.end_forward()  # ZeRO-3: drop the gathered parameters
 
 
-class ParallelModule(EndToEndMixin, nn.Module):
+class ParallelModule(GradientsMixin, EndToEndMixin, nn.Module):
     """Base class of generated code: one rank's shards of a model, plus gradient sync and checkpoints."""
 
     rank: int = 0
@@ -464,146 +464,3 @@ class ParallelModule(EndToEndMixin, nn.Module):
             unexpected_keys.extend(
                 k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in known
             )
-
-    # ---- training -------------------------------------------------------------------------------------
-
-    def parameters_for_optimizer(self) -> list[nn.Parameter]:
-        """The local parameters, in registration order (what `build_optimizer` hands the optimizer
-        without ZeRO; under ZeRO it hands it this rank's slices of them, so build it that way)."""
-        return list(self.parameters())
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._reducer is not None:
-            self._reducer.zero_grad()  # waits for reductions in flight, drops bucket views
-        super().zero_grad(set_to_none=set_to_none)
-        self._grads_synced = False
-
-    # ---- gradient reducer ---------------------------------------------------------------------------
-
-    @property
-    def reducer(self) -> Reducer | None:
-        """The gradient reducer over the "dp" group (None with one replica); built on first use from
-        `compute_config` (`reducer_bucket_cap_mb`, `use_async_reducer`, `use_zero`, `zero_ngroups`,
-        `zero_use_reduce_scatter`; defaults when it is None)."""
-        return self._ensure_reducer()
-
-    def _ensure_reducer(self) -> Reducer | None:
-        red = self._reducer
-        if red is not None and not red.valid_for(self.parameters_for_optimizer()):
-            if red.zero:
-                red.check()
-                raise RuntimeError(
-                    f"{type(self).__name__}: parameters were replaced after the ZeRO reducer was built"
-                )
-            self._drop_reducer()
-        if not self._reducer_built:
-            self._reducer = self._build_reducer()
-            self._reducer_built = True
-            self._zero3 = self._reducer if isinstance(self._reducer, Zero3Reducer) else None
-        return self._reducer
-
-    def _drop_reducer(self) -> None:
-        if self._reducer is not None:
-            self._reducer.zero_grad()
-            self._reducer.remove_hooks()
-        self._reducer, self._reducer_built, self._zero3 = None, False, None
-
-    def _build_reducer(self) -> Reducer | None:
-        if self.inference_only:  # nothing to reduce: no parameter requires a gradient
-            return None
-        cfg = self.compute_config
-        if cfg is not None and cfg.use_zero and getattr(cfg, "zero_stage", 1) == 3:
-            return build_zero3(self)
-        return build_reducer(
-            self.parameters_for_optimizer(),
-            self.group("dp"),
-            rank=self.rank,
-            world_size=self.world_size,
-            plan_ngpus=self.plan_ngpus,
-            config=self.compute_config,
-            deferred=self.tied_params(),  # summed over the stages first (sync_tied_grads)
-        )
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Inside: backward accumulates gradients locally without launching reductions (gradient
-        accumulation); the next `sync_grad` (or the optimizer step) reduces the sum once."""
-        red = self._ensure_reducer()
-        old = red.enabled if red is not None else True
-        if red is not None:
-            red.enabled = False
-        try:
-            yield
-        finally:
-            if red is not None:
-                red.enabled = old
-
-    @contextmanager
-    def reducing(self) -> Iterator[None]:
-        """Inside (even within `no_sync`): backward launches each bucket's reduction as soon as it is
-        full. `train_step` uses it for the last micro-batch, so its reductions overlap its backward."""
-        red = self._ensure_reducer()
-        if red is None:
-            yield
-            return
-        old = red.enabled, red.settle_after_backward
-        red.enabled, red.settle_after_backward = True, False  # the step's final sync_grad waits
-        try:
-            yield
-        finally:
-            red.enabled, red.settle_after_backward = old
-
-    def sync_grad(self) -> None:
-        """Average gradients over the data-parallel group ("dp"): wait for the reductions the backward
-        hooks launched (`use_async_reducer`) and reduce the remaining buckets."""
-        red = self._ensure_reducer()
-        if red is not None:
-            red.sync()
-        self._grads_synced = True
-
-    def gather_params(self) -> None:
-        """ZeRO: all-gather the parameters after the optimizer updated this rank's slice (the
-        optimizer from `build_optimizer` calls it)."""
-        if self._reducer is not None:
-            self._reducer.gather_params()
-
-    def _owned_params(self) -> list[bool]:
-        """For each parameter: does this rank count it in the gradient norm?"""
-        keys = [(i.original_name, i.shard) for i in self.fullmap.values() if i.is_param]
-        if self._norm_owned is None or len(self._norm_owned) != len(keys):
-            self._norm_owned = first_holders(keys, self.group("plan"))
-        return self._norm_owned
-
-    def grad_sq_norm(self) -> torch.Tensor:
-        """Squared 2-norm of the gradients of one plan copy (each piece counted once), synced first."""
-        if not self._grads_synced:
-            self.sync_grad()
-        params = [self._tensor(n) for n, i in self.fullmap.items() if i.is_param]
-        owned = [p for p, own in zip(params, self._owned_params()) if own]
-        red = self._reducer
-        if red is not None and red.zero:  # each rank holds the reduced gradients of its slice only
-            total = red.owned_sq_norm(owned, device=runtime_device())
-        else:
-            total = grad_sq_norm(owned, device=runtime_device())
-        plan = self.group("plan")
-        if plan is not None:
-            dist.all_reduce(total, group=plan)
-        return total
-
-    def clip_gnorm(self, max_norm: float | None = None) -> torch.Tensor:
-        """Total gradient 2-norm (same on every rank) as a 0-dim fp32 device tensor (as nnScaler; no
-        host sync: call `float()` on it when the value is needed); with `max_norm`, scale gradients
-        like clip_grad_norm_ (the coefficient stays on device)."""
-        total = self.grad_sq_norm().sqrt()
-        if max_norm is not None:
-            self.scale_grads(max_norm, total)
-        return total
-
-    def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
-        """Scale the (synced) gradients as `clip_grad_norm_` does for `total_norm`; under ZeRO the
-        gradients of this rank's slice, which is what its optimizer reads."""
-        red = self._reducer
-        if red is not None and red.zero:
-            red.scale_owned(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))
-        else:
-            scale_grads(self.parameters_for_optimizer(), max_norm, total_norm)
