@@ -83,12 +83,13 @@ def node_choices(
     owned_params: set[str],
     constraints: PartitionConstraints | None = None,
     saved: bool = True,
+    only: NodePlan | None = None,
 ) -> NodeChoices:
     """Every allowed partition of `node` over ctx.ways devices with its costs.
 
     owned_params: parameters whose memory and data-parallel gradient sync this node accounts for
     (each parameter is owned by its first reader). saved: its outputs are kept for backward (False
-    inside recomputed modules).
+    inside recomputed modules). only: cost just this plan (a fixed plan being evaluated).
     """
     refs = tensor_refs(graph, node)
     out = NodeChoices(node, refs)
@@ -105,7 +106,7 @@ def node_choices(
     dtype = next((m.dtype for m in metas_out if m is not None), "float32")
     free = is_free_op(node, graph)
     matmul = node.op.startswith(_MATMUL_PREFIX) or "attention" in node.op or "conv" in node.op
-    for plan in _plans(graph, node, bound, ctx.ways):
+    for plan in [only] if only is not None else _plans(graph, node, bound, ctx.ways):
         if constraints is not None and not constraints.allows(graph, node, bound, plan):
             continue
         ways = plan.ways if plan.split else 1

@@ -6,6 +6,7 @@ import math
 
 from nnscaler.graph.ir import Graph
 from nnscaler.policies.autodist.comm import send_recv
+from nnscaler.policies.autodist.layers import fold_layers
 from nnscaler.policies.autodist.search import Candidate, PlannerSetup, _ctx
 from nnscaler.policies.autodist.spmd import solve_spmd
 from nnscaler.policies.plan import REPLICATE, NodePlan, Plan
@@ -29,6 +30,8 @@ def evaluate_nodes(
     fixed = {n.name: nodes.get(n.name, REPLICATE) for n in graph.nodes}
     fixed = {k: (v if v.split is not None and v.ways > 1 else REPLICATE) for k, v in fixed.items()}
     fixed = {k: NodePlan(v.split, v.ways, v.blocks) for k, v in fixed.items()}  # notes do not matter
+    folded = fold_layers(graph, setup.pivots)
+    uniform = all(fixed[n] == fixed[r] for n, r in folded.rep.items())  # every layer split alike
     res = solve_spmd(
         graph,
         ctx,
@@ -37,7 +40,7 @@ def evaluate_nodes(
         pivots=setup.pivots,
         solver=setup.solver,
         fixed=fixed,
-        fold=False,
+        fold=uniform,
         nmicros=nmicros,
     )
     factor = 4.0 / 3.0 if recompute else 1.0

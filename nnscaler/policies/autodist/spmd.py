@@ -145,7 +145,8 @@ def _solve(
         saved = not any(
             node.module_path == r or node.module_path.startswith(r + ".") or r == "" for r in recompute
         )
-        nc = node_choices(graph, node, ctx, memory, owned_here, constraints, saved)
+        only = fixed.get(name) if fixed else None
+        nc = node_choices(graph, node, ctx, memory, owned_here, None if only else constraints, saved, only)
         if fixed and name in fixed:
             keep = [c for c in nc.choices if c.plan == fixed[name]]
             if not keep:
