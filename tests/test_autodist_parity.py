@@ -57,3 +57,23 @@ def test_autodist_pipeline_parity(tmp_path):
     )
     plan = _saved_plan(tmp_path)
     assert plan.pipeline is not None and plan.pipeline.nstages == 2 and plan.pipeline.nmicros == 2
+
+
+def test_autodist_pipeline_with_tensor_parallel_stages_parity(tmp_path):
+    """4 ranks: two stages of two devices, each stage split by the search (Megatron-style here)."""
+    run_parity(
+        "llama",
+        "autodist",
+        4,
+        4,
+        steps=2,
+        tmp_path=tmp_path,
+        nmicros=2,
+        config_kwargs={
+            "use_end2end": True,
+            "pas_config": {"cluster": TP_CLUSTER, "pipeline_nstages": 2, "pipeline_nmicros": 2},
+        },
+    )
+    plan = _saved_plan(tmp_path)
+    assert plan.pipeline is not None and plan.pipeline.pp_size == 2 and plan.tp_size == 2
+    assert plan.split_summary()["split"] >= 8, plan.split_summary()
