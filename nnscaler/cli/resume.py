@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 
 def _common(trainer: Trainer) -> dict[str, Any]:
-    from nnscaler.cli.trainer import rng_states
+    from nnscaler.cli.state import rng_states
 
     return {
         "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import sys
 import time
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -28,11 +26,11 @@ from nnscaler.cli.aggregate import AggregatedOutputs, default_aggregate, scale_g
 from nnscaler.cli.loading import load_type
 from nnscaler.cli.peers import Heartbeat
 from nnscaler.cli.progress import Progress
+from nnscaler.cli.state import SkippingSampler, rng_states, set_rng_states, to_device
 from nnscaler.cli.trainer_args import TrainerArgs
 from nnscaler.errors import ConfigError, NnScalerError
 from nnscaler.parallel import parallelize
 from nnscaler.runtime import init as nnscaler_init
-from nnscaler.runtime import rng as _shard_rng  # its shard generators are part of the random state
 from nnscaler.runtime.groups import create_groups, get_group
 
 __all__ = ["Trainer", "TrainStatus"]
@@ -46,70 +44,16 @@ class TrainStatus(dict):
     (optimizer steps done), best_loss."""
 
 
-def _to_device(value: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
-    if isinstance(value, dict):
-        return {k: _to_device(v, device, dtype) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device, dtype) for v in value)
-    if isinstance(value, torch.Tensor):
-        if dtype is not None and value.is_floating_point():
-            value = value.to(dtype)
-        return value.to(device)
-    return value
-
-
-class _SkippingSampler(torch.utils.data.Sampler):
-    """Wraps a sampler so that the next iteration starts `skip` indices in (resuming mid-epoch)."""
-
-    def __init__(self, sampler: Any):
-        self.sampler, self.skip = sampler, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
-
-    def __iter__(self):
-        skip, self.skip = self.skip, 0
-        it = iter(self.sampler)
-        for _ in range(skip):
-            next(it, None)
-        return it
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-
-def rng_states() -> dict[str, Any]:
-    """Every random generator a training step draws from: torch (CPU, CUDA), numpy, random, and the
-    runtime's per-shard generators of tensor-parallel dropout."""
-    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state()
-    states["shard"] = {key: gen.get_state() for key, gen in _shard_rng._GENERATORS.items()}
-    return states
-
-
-def set_rng_states(states: dict[str, Any]) -> None:
-    torch.set_rng_state(states["torch"])
-    np.random.set_state(states["numpy"])
-    random.setstate(states["random"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])
-    for (device, rank), state in states.get("shard", {}).items():
-        gen = _shard_rng._GENERATORS.setdefault((device, rank), torch.Generator(device=torch.device(device)))
-        gen.set_state(state)
-
-
 class Trainer:
     """Trains `TrainerArgs`'s model; `argv` is the command line (`-f cfg.yaml --a.b v ...`)."""
 
     def __init__(self, argv: list[str] | None = None, *, train_args: TrainerArgs | dict | None = None):
+        if train_args is not None and argv:
+            raise ConfigError("Trainer: give argv or train_args, not both")
         if train_args is None:
             train_args = TrainerArgs.from_cli(sys.argv[1:] if argv is None else argv)
         elif isinstance(train_args, dict):
             train_args = TrainerArgs.from_dict(train_args)
-        elif argv:
-            raise ConfigError("Trainer: give argv or train_args, not both")
         self.train_args: TrainerArgs = train_args
         self.model: Any = None
         self.optimizer: Any = None
@@ -207,7 +151,7 @@ class Trainer:
             if ds is None:
                 continue
             sampler = args.create_sampler(ds, stage, self.num_replicas, self.replica)
-            sampler = _SkippingSampler(sampler) if sampler is not None else None
+            sampler = SkippingSampler(sampler) if sampler is not None else None
             self.loaders[stage] = (args.create_dataloader(stage, ds, sampler), sampler)
         self.optimizer = args.create_parallel_optimizer(self.model)
         self.lr_scheduler = args.create_lr_scheduler(self.optimizer)
@@ -239,7 +183,7 @@ class Trainer:
                 f"a training sample must be a dict of the model's forward arguments, got {type(sample).__name__}; "
                 "make the dataset (or dataloader collate_fn) return dicts"
             )
-        return _to_device(sample, torch.device("cpu"), args.input_dtype)
+        return to_device(sample, torch.device("cpu"), args.input_dtype)
 
     def _finalize(self) -> None:
         if self.hook is not None:
@@ -263,7 +207,7 @@ class Trainer:
         n = self.train_args.update_freq
         chunk: list[Any] = []
         for batch in it:
-            chunk.append(_to_device(batch, self.device, self.train_args.input_dtype))
+            chunk.append(to_device(batch, self.device, self.train_args.input_dtype))
             if len(chunk) == n:
                 yield chunk
                 chunk = []

@@ -1,0 +1,72 @@
+"""What the trainer keeps besides model and optimizer: every random state, and the data position.
+
+`rng_states()` / `set_rng_states()` cover torch (CPU, CUDA), numpy, random and the runtime's
+per-shard generators of tensor-parallel dropout; `SkippingSampler` starts the next epoch pass some
+samples in (resuming mid-epoch); `to_device` moves a batch and casts its floating tensors.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from nnscaler.runtime import rng as _shard_rng  # its shard generators are part of the random state
+
+__all__ = ["rng_states", "set_rng_states", "SkippingSampler", "to_device"]
+
+
+def to_device(value: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    if isinstance(value, dict):
+        return {k: to_device(v, device, dtype) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(v, device, dtype) for v in value)
+    if isinstance(value, torch.Tensor):
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        return value.to(device)
+    return value
+
+
+class SkippingSampler(torch.utils.data.Sampler):
+    """Wraps a sampler so that the next iteration starts `skip` indices in (resuming mid-epoch)."""
+
+    def __init__(self, sampler: Any):
+        self.sampler, self.skip = sampler, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        it = iter(self.sampler)
+        for _ in range(skip):
+            next(it, None)
+        return it
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def rng_states() -> dict[str, Any]:
+    """Every random generator a training step draws from: torch (CPU, CUDA), numpy, random, and the
+    runtime's per-shard generators of tensor-parallel dropout."""
+    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    states["shard"] = {key: gen.get_state() for key, gen in _shard_rng._GENERATORS.items()}
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["random"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+    for (device, rank), state in states.get("shard", {}).items():
+        gen = _shard_rng._GENERATORS.setdefault((device, rank), torch.Generator(device=torch.device(device)))
+        gen.set_state(state)
