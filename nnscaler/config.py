@@ -70,6 +70,9 @@ class ComputeConfig:
     zero_stage: int = field(default=1, kw_only=True)
     """ZeRO stage when use_zero: 1 shards optimizer state, 2 also gradients (reduce-scatter, overlapped),
     3 also parameters (each block all-gathered just in time in forward and backward, prefetched)."""
+    reducer_bucket_autotune: bool = field(default=False, kw_only=True)
+    """Try several gradient bucket sizes over the first steps and keep the fastest (Horovod's autotune;
+    nnscaler.runtime.autotune); overrides `reducer_bucket_cap_mb`. Not with ZeRO."""
     hierarchical_allreduce: bool | None = field(default=None, kw_only=True)
     """Data parallelism across nodes (without ZeRO): reduce-scatter inside each node, all-reduce the
     slices across nodes, all-gather inside the node (nnscaler.runtime.hierarchy). None: when the cost
@@ -118,6 +121,11 @@ class ComputeConfig:
             raise ConfigError(
                 "ComputeConfig.zero_stage must be 1 (shard optimizer state), 2 (also gradients) or 3 (also "
                 f"parameters), got {self.zero_stage!r}"
+            )
+        if self.reducer_bucket_autotune and self.use_zero:
+            raise ConfigError(
+                "ComputeConfig(reducer_bucket_autotune=True) cannot be used with use_zero=True: ZeRO's buckets are "
+                "the optimizer's slices, fixed once it is built; set reducer_bucket_cap_mb instead"
             )
         if not isinstance(self.zero3_prefetch_blocks, int) or self.zero3_prefetch_blocks < 0:
             raise ConfigError(

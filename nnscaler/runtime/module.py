@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,8 @@ def _before_forward(module: ParallelModule, args: Any, kwargs: dict[str, Any]) -
         module._preflight("forward", lambda: preflight.named_call_inputs(module.forward, args, kwargs))
     module._grads_synced = False
     if torch.is_grad_enabled():
+        if module._step_started is None:
+            module._step_started = time.perf_counter()  # bucket autotuning times forward to sync_grad
         module._ensure_reducer()  # before backward, so its hooks overlap communication with it
     if module._zero3 is not None:
         module._zero3.begin_forward()

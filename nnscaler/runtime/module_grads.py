@@ -4,6 +4,7 @@ the gradient norm and clipping over one plan copy."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -11,7 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nnscaler.runtime.autotune import BucketAutotuner
 from nnscaler.runtime.device import runtime_device
+from nnscaler.runtime.groups import create_host_groups, get_host_group
 from nnscaler.runtime.reducer import Reducer, build_reducer, first_holders, grad_sq_norm, scale_grads
 from nnscaler.runtime.zero3 import Zero3Reducer, build_zero3
 
@@ -27,6 +30,12 @@ class GradientsMixin:
     """ZeRO stage 3 (the reducer, once built): hands out gathered parameters (ParallelModule.__getattr__)."""
     _grads_synced: bool
     _norm_owned: list[bool] | None
+    _autotune: BucketAutotuner | None = None
+    """`reducer_bucket_autotune`: tries bucket sizes over the first steps (runtime/autotune.py)."""
+    _retune = False
+    """The tuner moved on: rebuild the reducer with its size at the next forward holding no gradients."""
+    _step_started: float | None = None
+    """When the first forward since the last `sync_grad` began (the tuner times forward to sync)."""
 
     # ---- training -------------------------------------------------------------------------------------
 
@@ -52,6 +61,10 @@ class GradientsMixin:
 
     def _ensure_reducer(self) -> Reducer | None:
         red = self._reducer
+        if self._retune and not self._holds_grads():
+            self._retune = False
+            self._drop_reducer()
+            red = None
         if red is not None and not red.valid_for(self.parameters_for_optimizer()):
             if red.zero:
                 red.check()
@@ -71,15 +84,25 @@ class GradientsMixin:
             self._reducer.remove_hooks()
         self._reducer, self._reducer_built, self._zero3 = None, False, None
 
+    def _holds_grads(self) -> bool:
+        return any(p.grad is not None or getattr(p, "main_grad", None) is not None for p in self.parameters())
+
     def _build_reducer(self) -> Reducer | None:
         if self.inference_only:  # nothing to reduce: no parameter requires a gradient
             return None
         cfg = self.compute_config
         if cfg is not None and cfg.use_zero and getattr(cfg, "zero_stage", 1) == 3:
             return build_zero3(self)
+        cap = None
+        if getattr(cfg, "reducer_bucket_autotune", False) and self.group("dp") is not None:
+            if self._autotune is None:
+                self._autotune = BucketAutotuner()
+            create_host_groups(self.dims.dp_groups())  # the tuner agrees on CPU tensors (cached)
+            cap = self._autotune.current_mb
         return build_reducer(
             self.parameters_for_optimizer(),
             self.group("dp"),
+            bucket_cap_mb=cap,
             rank=self.rank,
             world_size=self.world_size,
             plan_ngpus=self.plan_ngpus,
@@ -123,6 +146,18 @@ class GradientsMixin:
         if red is not None:
             red.sync()
         self._grads_synced = True
+        self._tune_step()
+
+    def _tune_step(self) -> None:
+        """Bucket autotuning: time this step (first forward to the end of sync_grad) for the tuner."""
+        started, self._step_started = self._step_started, None
+        tuner = self._autotune
+        if tuner is None or not tuner.tuning or started is None:
+            return
+        if runtime_device().type == "cuda":
+            torch.cuda.synchronize()  # while tuning only: the time must include the device's work
+        if tuner.record(time.perf_counter() - started, get_host_group(self._dp_ranks())):
+            self._retune = True
 
     def gather_params(self) -> None:
         """ZeRO: all-gather the parameters after the optimizer updated this rank's slice (the

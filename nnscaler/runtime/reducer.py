@@ -488,6 +488,7 @@ def build_reducer(
     plan_ngpus: int,
     config: Any,
     deferred: Sequence[torch.nn.Parameter] = (),
+    bucket_cap_mb: float | None = None,
 ) -> Reducer | None:
     """The reducer of a ParallelModule from its `compute_config` (None: defaults); None with one replica.
 
@@ -508,7 +509,7 @@ def build_reducer(
                 "(stage 3 is built by ParallelModule with nnscaler.runtime.zero3.build_zero3)"
             )
         zero_group, cross_group = zero_process_groups(rank, world_size, plan_ngpus, config.zero_ngroups)
-    cap = config.reducer_bucket_cap_mb if config is not None else None
+    cap = bucket_cap_mb if bucket_cap_mb is not None else getattr(config, "reducer_bucket_cap_mb", None)
     cap = DEFAULT_BUCKET_CAP_MB if cap is None else cap
     hierarchy = None
     if zero_group is None:
