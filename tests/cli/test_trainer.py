@@ -62,3 +62,22 @@ def test_grad_and_loss_reductions(tmp_path):
     summed = run("sum", **{"optimizer.loss_reduction": "sum", "optimizer.grad_reduction": "sum"})
     assert summed[0] == pytest.approx(2 * mean[0], rel=1e-6)  # 2 micro-batches per step
     assert summed[1] != pytest.approx(2 * mean[1], rel=1e-3)  # SGD: doubled gradients, another step
+
+
+def test_torchrun_launches_the_cli(tmp_path):
+    """The way users start it: torchrun (TCP store on a free port) running `-m nnscaler.cli.train`."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += ["-m", "nnscaler.cli.train", *gpt_args(tmp_path, "tp", 2, 2, max_train_steps=4)]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 4/4" in done.stdout
+    assert os.readlink(tmp_path / "ckpt" / "last") == "0000-0004"
