@@ -94,6 +94,24 @@ def test_summary_line_without_a_tty():
     assert silent.getvalue() == ""
 
 
+def test_progress_bar_on_a_terminal():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    args = TrainerArgs.from_cli(
+        gpt_args(__import__("pathlib").Path("/tmp"), "dp", 1, 1, enable_progress_bar="true")
+    )
+    out = Terminal()
+    progress = Progress(args, total=8, active=True, stream=out)
+    for step in range(1, 9):
+        progress.update(step, 4.0 - step / 10, 100.0)
+    progress.close()
+    text = out.getvalue()
+    assert "8/8" in text and "loss=3.2000" in text and "samples_s=100.0" in text
+    assert "step 4/8" not in text  # the bar replaces the summary lines
+
+
 def test_compile_mode_writes_code_for_every_rank_and_exits(tmp_path, capsys):
     trainer = Trainer(gpt_args(tmp_path, "tp", 2, 4, run_mode="compile", global_batch_size=16))
     trainer.run()
