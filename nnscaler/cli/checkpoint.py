@@ -116,29 +116,36 @@ def write_checkpoint_dir(
 
 
 def point(save_dir: Path, pointer: str, target: Path, symlink: bool = True) -> None:
-    """Make `save_dir/pointer` (`last`, `best`) refer to checkpoint directory `target` (rank 0 only),
-    replacing the old pointer only once the new one is complete."""
+    """Make `save_dir/pointer` (`last`, `best`) refer to checkpoint directory `target` (rank 0 only):
+    a relative symlink, or a copy. The new pointer is complete before it replaces the old one."""
     save_dir = Path(save_dir)
     link = save_dir / pointer
     tmp = save_dir / f".tmp-{pointer}"
-    if tmp.is_symlink() or tmp.is_file():
-        tmp.unlink()
-    elif tmp.exists():
-        shutil.rmtree(tmp)
+    _remove(tmp)
     if symlink:
         os.symlink(os.path.relpath(target, save_dir), tmp)
-        os.replace(tmp, link)
     else:
         shutil.copytree(target, tmp)
         _fsync_dir(tmp)
-        if link.exists() and not link.is_symlink():
-            old = save_dir / f".tmp-old-{pointer}"
-            os.replace(link, old)
-            os.replace(tmp, link)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, link)
+    if link.is_dir() and not link.is_symlink():  # a copy: a directory cannot be renamed over
+        old = save_dir / f".tmp-old-{pointer}"
+        _remove(old)
+        os.replace(link, old)
+        os.replace(tmp, link)
+        _remove(old)
+    elif link.is_symlink() and not symlink:  # neither can a symlink by a directory
+        link.unlink()
+        os.replace(tmp, link)
+    else:
+        os.replace(tmp, link)
     _fsync_dir(save_dir)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def step_dirs(save_dir: Path) -> list[Path]:

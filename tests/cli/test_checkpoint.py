@@ -149,3 +149,21 @@ def test_a_fresh_run_does_not_overwrite_earlier_checkpoints(tmp_path):
     ):
         Trainer(gpt_args(tmp_path, "dp", 1, 1, max_train_steps=2)).run()
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "ckpt").rglob("*.ckpt")} == before
+
+
+def test_copies_instead_of_symlinks_and_resume_from_best(tmp_path):
+    copies = {
+        "checkpoint.every_n_train_steps": 1,
+        "checkpoint.symlink_best_and_last": "false",
+        "max_train_steps": 2,
+    }
+    Trainer(gpt_args(tmp_path, "dp", 1, 1, **copies)).run()
+    last, best = tmp_path / "ckpt" / "last", tmp_path / "ckpt" / "best"
+    assert not last.is_symlink() and (last / "complete.json").exists()
+    assert json.loads((last / "complete.json").read_text())["step"] == 2
+    resumed = Trainer(
+        gpt_args(tmp_path, "dp", 1, 1, **{**copies, "max_train_steps": 3, "checkpoint.resume_from": "best"})
+    )
+    resumed.run()
+    assert resumed.train_status["step"] == 3 and len(resumed.losses) == 1
+    assert json.loads((last / "complete.json").read_text())["step"] == 3 and best.is_dir()
