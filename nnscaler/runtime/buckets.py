@@ -257,9 +257,12 @@ class Bucket:
         """
         self.materialize()
         grads = self._ensure_grads()
-        for view, scaled in zip(self.views, self.scaled):
-            if not scaled:
-                view.div_(self.divisor)
+        if not any(self.scaled):  # all accumulated in place (gradients as bucket views): one pass
+            grads.div_(self.divisor)
+        else:
+            for view, scaled in zip(self.views, self.scaled):
+                if not scaled:
+                    view.div_(self.divisor)
         self.scaled = [False] * len(self.params)  # what comes back is reduced, not divided
         if scatter:
             lo, hi = self.own
@@ -353,6 +356,17 @@ class Bucket:
         self.phase = 0
         self.reduced = self.dirty = False
         self._release_grads()
+
+    def zero_views(self) -> None:
+        """zero_grad keeping the gradients as views: fill the bucket with zeros and expose it, so new
+        local gradients accumulate into it in place (waits for reductions in flight first)."""
+        self.wait()
+        self._ensure_grads().zero_()
+        self.arrived = [False] * len(self.params)
+        self.narrived = 0
+        self.phase = 0
+        self.reduced = self.dirty = False
+        self.expose()
 
     # ---- ZeRO parameters ------------------------------------------------------------------------------------
 

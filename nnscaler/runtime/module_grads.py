@@ -46,7 +46,8 @@ class GradientsMixin:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._reducer is not None:
-            self._reducer.zero_grad()  # waits for reductions in flight, drops bucket views
+            # waits for reductions in flight; drops the bucket views (set_to_none) or zeroes them
+            self._reducer.zero_grad(set_to_none)
         super().zero_grad(set_to_none=set_to_none)
         self._grads_synced = False
 

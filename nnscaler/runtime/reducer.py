@@ -413,10 +413,15 @@ class Reducer:
                 bucket.expose()
             bucket.reduced = False
 
-    def zero_grad(self) -> None:
-        """Drop all gradients (waits for reductions in flight)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop all gradients (waits for reductions in flight). `set_to_none=False` under all-reduce:
+        zero the buckets instead (one fill per bucket) and keep `.grad` (or `.main_grad`) their views,
+        so backward accumulates straight into the buckets (torch DDP's gradient_as_bucket_view)."""
         for bucket in self.buckets:
-            bucket.reset()
+            if set_to_none or self.scatter or bucket.transient:
+                bucket.reset()
+            else:
+                bucket.zero_views()
         self._queue = []
         self._end_pass()
 

@@ -342,7 +342,7 @@ class Zero3Reducer(Reducer):
                 self._drain(until=self._queue[0])
         self._release(flat)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients, including the memory of the gradient slices (reallocated by backward)."""
         super().zero_grad()
         for bucket in self.buckets:

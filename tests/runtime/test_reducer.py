@@ -184,3 +184,39 @@ def _unused(ref: Any) -> None:  # keep Ref imported for readers: the single-devi
 
 
 _unused(Ref)
+
+
+def bucket_view_worker(rank: int, world: int) -> None:
+    """zero_grad(set_to_none=False): `.grad` stays its bucket's view and backward accumulates into it in
+    place, with no copy into the bucket; the gradients still average like single-device ones."""
+    from nnscaler.runtime import buckets
+
+    ref, full, x, t = _setup()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    pm = _gen(rank, world, 1, ComputeConfig(1, world, reducer_bucket_cap_mb=TINY_MB), full)
+    opt = build_optimizer(pm, torch.optim.SGD, lr=LR)
+    copies = []
+    copy_in = buckets.Bucket._copy_in
+    buckets.Bucket._copy_in = lambda self, view, grad: (copies.append(1), copy_in(self, view, grad))[1]
+    rows = _rows(rank, world, 1)
+    for step in range(3):
+        copies.clear()
+        pm(x[rows], t[rows]).backward()
+        ref(x, t).backward()
+        red = pm.reducer
+        for bucket in red.buckets:
+            for p, view in zip(bucket.params, bucket.views):
+                assert p.grad.data_ptr() == view.data_ptr(), f"step {step}: grad is not its bucket view"
+        if step > 0:
+            assert not copies, f"step {step}: {len(copies)} gradients copied into buckets"
+        _grads_match(pm, ref, f"bucket views, step {step}")
+        opt.step()
+        ref_opt.step()
+        pm.zero_grad(set_to_none=False)
+        ref_opt.zero_grad()
+        _params_match(pm, ref, f"bucket views, parameters after step {step}")
+    assert copies == [] and all(bool((p.grad == 0).all()) for p in pm.parameters())
+
+
+def test_zero_grad_keeping_bucket_views() -> None:
+    run_dist(bucket_view_worker, 2)
