@@ -59,7 +59,21 @@ def _signature(graph: Graph, idx: list[int]) -> tuple:
 
 
 def fold_layers(graph: Graph, pivots: tuple[str, ...] | None = None, enabled: bool = True) -> LayerFold:
-    """Fold repeated layer instances onto their first instance (identity when `enabled` is False)."""
+    """Fold repeated layer instances onto their first instance (identity when `enabled` is False).
+
+    Cached on the graph for one search (as policies.blocks caches consumers): a search folds the same
+    graph dozens of times.
+    """
+    key = (len(graph.nodes), tuple(pivots) if pivots else None, enabled)
+    cached = getattr(graph, "_autodist_fold", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    fold = _fold(graph, pivots, enabled)
+    graph._autodist_fold = (key, fold)
+    return fold
+
+
+def _fold(graph: Graph, pivots: tuple[str, ...] | None, enabled: bool) -> LayerFold:
     fold = LayerFold()
     pivots, instances = layer_instances(graph, pivots) if enabled else ((), [])
     fold.instances, fold.pivots = instances, pivots

@@ -39,6 +39,7 @@ def plan_offline(
     """Search plan_ngpus (each a divisor of ndevices; the rest is data parallel) x the plan itself.
 
     The traced batch is the global batch of one micro-step: with dp replicas each takes 1/dp of it.
+    Tensor parallelism stays inside a node (larger plans are pipelines of node-sized stages).
     """
     import time
 
@@ -53,7 +54,7 @@ def plan_offline(
     for p in sizes:
         cfg = ComputeConfig(p, ndevices, use_end2end=end2end, pas_config=pas)
         setup = planner_setup(graph, cfg, cluster=cluster)
-        setup = replace(setup, batch_scale=setup.batch_scale / setup.dp_size)
+        setup = replace(setup, batch_scale=setup.batch_scale / setup.dp_size, max_tp=cluster.devices_per_node)
         try:
             best, _ = search(graph, setup)
         except PlanError as exc:

@@ -46,6 +46,8 @@ class PlannerSetup:
     """Micro-batches per step: None searches (1 without a pipeline)."""
     batch_scale: float = 1.0
     """Micro-batch size relative to the traced batch (recipes over fewer replicas take bigger batches)."""
+    max_tp: int | None = None
+    """Largest tensor-parallel degree to consider (offline planning: the devices of one node)."""
 
 
 @dataclass
@@ -145,9 +147,11 @@ def _pipeline_candidates(
     bounds = seg_starts + [len(graph.nodes)]
     cache: dict[int, SpmdResult] = {}
     for pp in divisors(setup.plan_ngpus):
+        tp = setup.plan_ngpus // pp
         if pp == 1 or pp > nseg or (setup.nstages is not None and setup.nstages != pp):
             continue
-        tp = setup.plan_ngpus // pp
+        if setup.max_tp is not None and tp > setup.max_tp:
+            continue
         ctx = _ctx(setup, tp)
         if tp not in cache:
             cache[tp] = solve_spmd(
@@ -219,9 +223,15 @@ def _megatron_alternatives(graph: Graph, setup: PlannerSetup, scored: list[Candi
         if c.tp > 1 and (key not in best or c.time_per_micro < best[key].time_per_micro):
             best[key] = c
     out = []
+    memo = getattr(graph, "_autodist_tp", None)  # the tp policy's layout per degree, for one search
+    if memo is None or memo[0] != len(graph.nodes):
+        memo = (len(graph.nodes), {})
+        graph._autodist_tp = memo
     for (pp, tp), c in sorted(best.items()):
         try:
-            nodes = pas_tp(graph, ComputeConfig(tp, tp)).nodes
+            if tp not in memo[1]:
+                memo[1][tp] = pas_tp(graph, ComputeConfig(tp, tp)).nodes
+            nodes = memo[1][tp]
             alt = evaluate_nodes(
                 graph,
                 setup,
@@ -246,7 +256,8 @@ def search(graph: Graph, setup: PlannerSetup) -> tuple[Candidate, list[Candidate
     setup = replace(setup, pivots=pivots or setup.pivots)
     scored: list[Candidate] = []
     errors: list[str] = []
-    if setup.nstages in (None, 1):
+    spmd_ok = setup.max_tp is None or setup.plan_ngpus <= setup.max_tp
+    if setup.nstages in (None, 1) and spmd_ok:
         try:
             scored.append(_spmd_candidate(graph, setup, layer_paths))
         except PlanError as exc:

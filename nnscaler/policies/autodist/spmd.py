@@ -137,9 +137,10 @@ def _solve(
             if v.kind in ("param", "buffer") and ref not in owner:
                 owner[ref] = node.name
     reps = folded.represented()
+    index = {n.name: n for n in graph.nodes}
     table: dict[str, NodeChoices] = {}
     for name in reps:
-        node = graph.node(name)
+        node = index[name]
         owned_here = {p for p, o in owner.items() if o == name}
         owned |= owned_here
         saved = not any(
@@ -255,7 +256,7 @@ def _solve(
             prob += pulp.lpSum(y[a, b] for a in range(len(cu)) if (a, b) in y) == x[v, b]
     out_cost: dict[tuple[str, int], float] = {}
     for n in reps:  # graph outputs are returned whole
-        node = graph.node(n)
+        node = index[n]
         for oi, o in enumerate(node.outputs):
             if o in outputs and graph.values[o].meta is not None:
                 nbytes = ctx.value_bytes(graph, o)
