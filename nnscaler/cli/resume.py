@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler.cli import checkpoint as ck
+from nnscaler.cli.mixed import plan_of
 from nnscaler.errors import CheckpointError
 from nnscaler.runtime import (
     deduped_state_dict,
@@ -52,7 +53,7 @@ def _common(trainer: Trainer) -> dict[str, Any]:
         "train_args": trainer.train_args.to_dict(),
         "rank": trainer.rank,
         "world_size": trainer.world_size,
-        "plan": trainer.model.plan_id,
+        "plan": plan_of(trainer.model),
         "version": __version__,
     }
 
@@ -103,7 +104,7 @@ def save(trainer: Trainer, epoch: int) -> Path | None:
         }
     for payload in files.values():
         trainer.hook.on_save_checkpoint(trainer, payload)
-    plans = _gather(model.plan_id, trainer.world_size)
+    plans = _gather(plan_of(model), trainer.world_size)
     info = {
         "save_type": cfg.save_type,
         "world_size": trainer.world_size,
@@ -187,7 +188,7 @@ def resume(trainer: Trainer) -> None:
     same_plan = (
         info["save_type"] in ("sharded", "deduped")
         and info.get("world_size") == trainer.world_size == len(plans)
-        and plans[trainer.rank] == trainer.model.plan_id
+        and plans[trainer.rank] == plan_of(trainer.model)
         and not opts.with_merged
     )
     model, opt = trainer.model, trainer.optimizer

@@ -24,12 +24,14 @@ import torch.distributed as dist
 from nnscaler.cli import resume as _resume
 from nnscaler.cli.aggregate import AggregatedOutputs, default_aggregate, scale_grads
 from nnscaler.cli.loading import load_type
+from nnscaler.cli.mixed import infer_micro_batches, model_device, parallelize_sub_modules, run_micro_batches
 from nnscaler.cli.peers import Heartbeat
 from nnscaler.cli.progress import Progress
 from nnscaler.cli.state import SkippingSampler, rng_states, set_rng_states, to_device
 from nnscaler.cli.trainer_args import TrainerArgs
 from nnscaler.errors import ConfigError, NnScalerError
 from nnscaler.parallel import parallelize
+from nnscaler.runtime import ParallelModule
 from nnscaler.runtime import init as nnscaler_init
 from nnscaler.runtime.groups import create_groups, get_group
 
@@ -110,33 +112,38 @@ class Trainer:
                 "optimizer.grad_reduction 'per-token-mean' is not supported with compute_config.use_zero yet "
                 "(the gradients live in the ZeRO buckets); use 'mean' or 'sum'"
             )
-        if args.model.parallel_modules:
-            raise ConfigError(
-                "model.parallel_modules is not supported by this trainer yet: parallelize the whole model"
-            )
         _resume.check_before_start(args.checkpoint)  # fail before compiling, and overwrite nothing
         args.init_env(self)
         self.train_dataset = args.create_dataset("train")
-        dummy = self._dummy_sample()
         model = args.create_model()
-        self.model = parallelize(
-            model,
-            dummy,
-            args.resolved_pas_policy,
-            cc,
-            gen_savedir=args.gen_savedir,
-            reuse=args.gen_reuse,
-            instance_name=args.instance_name,
-            load_module=not args.compile_mode,
-            module_dtype=args.param_dtype,
-            broadcast_strategy=args.broadcast_strategy if not args.compile_mode else "none",
-        )
+        if args.model.parallel_modules:
+            self.model = parallelize_sub_modules(args, model, args.compile_mode)
+        else:
+            dummy = self._dummy_sample()
+            self.model = parallelize(
+                model,
+                dummy,
+                args.resolved_pas_policy,
+                cc,
+                gen_savedir=args.gen_savedir,
+                reuse=args.gen_reuse,
+                instance_name=args.instance_name,
+                load_module=not args.compile_mode,
+                module_dtype=args.param_dtype,
+                broadcast_strategy=args.broadcast_strategy if not args.compile_mode else "none",
+            )
         if args.compile_mode:
             if self.rank == 0:
                 print(f"nnscaler-train: generated code for {cc.runtime_ngpus} ranks under {args.gen_savedir}")
             return
-        self.device = self.model.device
-        if self.model.use_scheduler and self.model.nmicros_per_scheduler_step != args.update_freq:
+        self.device = model_device(self.model)
+        self.end2end = isinstance(self.model, ParallelModule)
+        """The whole model is one ParallelModule run by train_step (else: parallel sub-modules)."""
+        if (
+            self.end2end
+            and self.model.use_scheduler
+            and self.model.nmicros_per_scheduler_step != args.update_freq
+        ):
             raise ConfigError(
                 f"grad_accumulation_steps ({args.update_freq}) must equal compute_config.pas_config.pipeline_nmicros "
                 f"({self.model.nmicros_per_scheduler_step}): a pipelined train_step takes that many micro-batches"
@@ -218,7 +225,7 @@ class Trainer:
         """A pipeline's schedule takes exactly update_freq micro-batches: a short last chunk is padded
         with copies of its last micro-batch, flagged as dummies (no loss, no gradient)."""
         gap = self.train_args.update_freq - len(chunk)
-        if not self.model.use_scheduler or gap <= 0:
+        if not self.end2end or not self.model.use_scheduler or gap <= 0:
             return chunk, None
         return chunk + [chunk[-1]] * gap, [False] * len(chunk) + [True] * gap
 
@@ -301,9 +308,14 @@ class Trainer:
         reduction = args.optimizer.grad_reduction
         scale = {"mean": 1.0 / n, "sum": float(args.scaling_factor)}.get(reduction)
         samples, dummy = self._padded(chunk)
-        losses = self.model.train_step(
-            samples, is_dummy_batch=dummy, scale_fn=(lambda loss: loss * scale) if scale is not None else None
-        )[:n]
+        if self.end2end:
+            losses = self.model.train_step(
+                samples,
+                is_dummy_batch=dummy,
+                scale_fn=(lambda loss: loss * scale) if scale is not None else None,
+            )[:n]
+        else:
+            losses = run_micro_batches(self.model, samples, scale)
         hook.on_train_step_end(self, losses)
         agg = self._aggregate(losses)
         count = agg.num_batches
@@ -359,7 +371,10 @@ class Trainer:
             if args.max_val_steps and i >= args.max_val_steps:
                 break
             self.hook.on_val_step_start(self, chunk)
-            losses = self.model.infer_step(self._padded(chunk)[0])[: len(chunk)]
+            if self.end2end:
+                losses = self.model.infer_step(self._padded(chunk)[0])[: len(chunk)]
+            else:
+                losses = infer_micro_batches(self.model, chunk)
             self.hook.on_val_step_end(self, losses)
             agg = self._aggregate(losses)
             total.loss_sum += agg.loss_sum

@@ -223,6 +223,10 @@ class TrainerArgs:
         if self.lr_scheduler is not None and not self.lr_scheduler.type:
             raise ConfigError("lr_scheduler.type is required (e.g. torch.optim.lr_scheduler.StepLR)")
         for m in self.model.parallel_modules:
+            if m.type == self.model.type:
+                raise ConfigError(
+                    f"model.parallel_modules: {m.type} is the model itself; leave parallel_modules empty instead"
+                )
             if m.compute_config is not None:
                 m.compute_config.resolve(self.compute_config)
             if m.tracing_from_weights_prefix and not self.tracing_from_weights:

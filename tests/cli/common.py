@@ -45,3 +45,9 @@ def gpt_args(tmp: Path, policy: str = "tp", plan: int = 2, runtime: int = 2, **o
     for key, value in overrides.items():
         argv += [f"--{key}"] if value is None else [f"--{key}", str(value)]
     return argv
+
+
+def block_inputs(trainer_args: Any) -> dict[str, torch.Tensor]:
+    """Dummy forward arguments of one nanoGPT Block: the residual stream of one micro-batch."""
+    cfg = trainer_args.model.args["config"]
+    return {"x": torch.randn(trainer_args.micro_batch_size, cfg["block_size"], cfg["n_embd"])}
