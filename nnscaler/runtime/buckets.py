@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from nnscaler.runtime.comm import _all_gather_single, _reduce_scatter_single
 
-__all__ = ["Bucket", "EMPTY", "LOCAL", "EXPOSED", "pack_buckets"]
+__all__ = ["Bucket", "EMPTY", "LOCAL", "EXPOSED", "pack_buckets", "make_buckets", "DEFAULT_BUCKET_CAP_MB"]
 
 T = TypeVar("T")
 
@@ -52,6 +52,19 @@ def pack_buckets(
         open_buckets[k] = (bucket, used + size)
     out.extend(b for b, _ in open_buckets.values() if b)
     return out
+
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+"""Bucket size when `ComputeConfig.reducer_bucket_cap_mb` is None (torch DDP's default)."""
+
+
+def make_buckets(params: Sequence[torch.Tensor], cap_mb: float | None) -> list[list[torch.Tensor]]:
+    """Split `params` (in order) into buckets of one dtype and device, each at most `cap_mb` MB.
+
+    A parameter larger than the cap gets a bucket of its own; `cap_mb == 0` gives one bucket per tensor.
+    """
+    cap = int((DEFAULT_BUCKET_CAP_MB if cap_mb is None else cap_mb) * 1024 * 1024)
+    return pack_buckets(params, lambda p: (p.dtype, p.device), lambda p: p.numel() * p.element_size(), cap)
 
 
 EMPTY, LOCAL, EXPOSED = 0, 1, 2
