@@ -143,71 +143,76 @@ def _pipeline_candidates(
 ) -> list[Candidate]:
     out: list[Candidate] = []
     seg_starts = _segments(graph, instances)
-    nseg = len(seg_starts)
-    bounds = seg_starts + [len(graph.nodes)]
-    cache: dict[int, SpmdResult] = {}
     for pp in divisors(setup.plan_ngpus):
         tp = setup.plan_ngpus // pp
-        if pp == 1 or pp > nseg or (setup.nstages is not None and setup.nstages != pp):
+        if pp == 1 or pp > len(seg_starts) or (setup.nstages is not None and setup.nstages != pp):
             continue
         if setup.max_tp is not None and tp > setup.max_tp:
             continue
         ctx = _ctx(setup, tp)
-        if tp not in cache:
-            cache[tp] = solve_spmd(
-                graph,
-                ctx,
-                setup.memory,
-                constraints=setup.constraints,
-                recompute=setup.recompute,
-                pivots=setup.pivots,
-                solver=setup.solver,
-            )
-        res = cache[tp]
-        seg_time, seg_act, seg_param, seg_sync, seg_in = [], [], [], [], []
-        for k in range(nseg):
-            names = [graph.nodes[i].name for i in range(bounds[k], bounds[k + 1])]
-            seg_time.append(sum(res.node_time[n] for n in names))
-            seg_act.append(sum(res.choice[n].activation_bytes for n in names))
-            seg_param.append(sum(res.node_memory[n] - res.choice[n].activation_bytes for n in names))
-            seg_sync.append(sum(res.node_sync[n] for n in names))
-            first = graph.nodes[bounds[k]]
-            seg_in.append(max((ctx.value_bytes(graph, r) for r in first.input_names()), default=0.0) / tp)
         limit = setup.mem_limit - _transient(graph, ctx, setup)
-        micro_options = [setup.nmicros] if setup.nmicros else [pp, 2 * pp, 4 * pp]
-        rc_options = [bool(setup.recompute)] if setup.recompute else [False, True]
-        for rc in rc_options:
-            times = [t * 4.0 / 3.0 for t in seg_time] if rc and not setup.recompute else seg_time
-            acts = seg_in if rc and not setup.recompute else seg_act
-            for m in micro_options:
-                t_max, starts = stage_dp(times, acts, seg_param, pp, m, limit)
-                if math.isinf(t_max):
-                    continue
-                stage_bounds = starts + [nseg]
-                stage_times = [sum(times[stage_bounds[s] : stage_bounds[s + 1]]) for s in range(pp)]
-                sync = max(sum(seg_sync[stage_bounds[s] : stage_bounds[s + 1]]) for s in range(pp))
-                hop = max(seg_in) * tp  # one boundary activation, whole
-                p2p = 2 * (pp - 1) * send_recv(hop / tp, 2, setup.cluster.link(2, tp))
-                step = (m + pp - 1) * t_max + p2p + sync
-                mem = max(
-                    sum(seg_param[stage_bounds[s] : stage_bounds[s + 1]])
-                    + sum(acts[stage_bounds[s] : stage_bounds[s + 1]]) * min(pp - s, m)
-                    for s in range(pp)
+        kept_inputs = sum(_segment_input(graph, ctx, i) for i in seg_starts)  # stage 0's, all in flight
+        for rc in [bool(setup.recompute)] if setup.recompute else [False, True]:
+            own_rc = rc and not setup.recompute
+            ilp_limit = limit - (kept_inputs if own_rc else 0.0)
+            # a stage keeps ~1/pp of the weights and (stage 0, 1F1B) ~one micro-batch of all activations
+            try:
+                res = solve_spmd(
+                    graph,
+                    ctx,
+                    setup.memory,
+                    constraints=setup.constraints,
+                    recompute=setup.recompute,
+                    pivots=setup.pivots,
+                    solver=setup.solver,
+                    mem_limit=None if math.isinf(limit) else ilp_limit,
+                    mem_weights=(1.0 / pp, 0.0 if own_rc else 1.0),
                 )
-                out.append(
-                    Candidate(
-                        pp,
-                        tp,
-                        m,
-                        rc,
-                        step,
-                        mem,
-                        res,
-                        [seg_starts[i] for i in starts],
-                        stage_times,
-                        layer_paths if rc and not setup.recompute else setup.recompute,
-                    )
-                )
+            except PlanError:
+                continue
+            out.extend(_score_pipeline(graph, setup, res, ctx, pp, rc, limit, seg_starts, layer_paths))
+    return out
+
+
+def _segment_input(graph: Graph, ctx: CostContext, index: int) -> float:
+    """Bytes per device of the activation entering the segment that starts at node `index`."""
+    first = graph.nodes[index]
+    return max((ctx.value_bytes(graph, r) for r in first.input_names()), default=0.0) / ctx.ways
+
+
+def _score_pipeline(graph, setup, res, ctx, pp, rc, limit, seg_starts, layer_paths) -> list[Candidate]:
+    """Stage boundaries and the whole-step time of one (pp, tp, recompute) for each micro-batch count."""
+    tp, nseg = ctx.ways, len(seg_starts)
+    bounds = seg_starts + [len(graph.nodes)]
+    seg_time, seg_act, seg_param, seg_sync, seg_in = [], [], [], [], []
+    for k in range(nseg):
+        names = [graph.nodes[i].name for i in range(bounds[k], bounds[k + 1])]
+        seg_time.append(sum(res.node_time[n] for n in names))
+        seg_act.append(sum(res.choice[n].activation_bytes for n in names))
+        seg_param.append(sum(res.node_memory[n] - res.choice[n].activation_bytes for n in names))
+        seg_sync.append(sum(res.node_sync[n] for n in names))
+        seg_in.append(_segment_input(graph, ctx, bounds[k]))
+    own_rc = rc and not setup.recompute
+    times = [t * 4.0 / 3.0 for t in seg_time] if own_rc else seg_time
+    acts = seg_in if own_rc else seg_act
+    out = []
+    for m in [setup.nmicros] if setup.nmicros else [pp, 2 * pp, 4 * pp]:
+        t_max, starts = stage_dp(times, acts, seg_param, pp, m, limit)
+        if math.isinf(t_max):
+            continue
+        sb = starts + [nseg]
+        stage_times = [sum(times[sb[s] : sb[s + 1]]) for s in range(pp)]
+        sync = max(sum(seg_sync[sb[s] : sb[s + 1]]) for s in range(pp))
+        hop = max(seg_in)  # one boundary activation, this device's share
+        p2p = 2 * (pp - 1) * send_recv(hop, 2, setup.cluster.link(2, tp))
+        step = (m + pp - 1) * t_max + p2p + sync
+        mem = max(
+            sum(seg_param[sb[s] : sb[s + 1]]) + sum(acts[sb[s] : sb[s + 1]]) * min(pp - s, m)
+            for s in range(pp)
+        )
+        starts_at = [seg_starts[i] for i in starts]
+        paths = layer_paths if own_rc else setup.recompute
+        out.append(Candidate(pp, tp, m, rc, step, mem, res, starts_at, stage_times, paths))
     return out
 
 

@@ -109,22 +109,37 @@ def solve_spmd(
     solver: str = "auto",
     fixed: dict[str, NodePlan] | None = None,
     nmicros: int = 1,
+    mem_weights: tuple[float, float] = (1.0, 1.0),
 ) -> SpmdResult:
     """Choose every node's partition over ctx.ways devices (see the module docstring).
 
     mem_limit: bytes per device (None: no limit). recompute: module paths whose activations are
     recomputed (not kept). fixed: node name -> plan that must be taken (a loaded plan). nmicros:
     micro-batches per step (gradient sync happens once per step, everything else per micro-batch).
+    mem_weights: multipliers of (weights + optimizer state, activations) in the memory limit (a
+    pipeline of p stages keeps 1/p of the weights and, on its first stage, about one micro-batch of
+    the whole model's activations: (1/p, 1); with recompute (1/p, 0)).
     """
     with warnings.catch_warnings():  # PuLP 3.3 announces PuLP 4's API changes on every variable
         warnings.simplefilter("ignore", DeprecationWarning)
         return _solve(
-            graph, ctx, memory, constraints, mem_limit, recompute, pivots, fold, solver, fixed, nmicros
+            graph,
+            ctx,
+            memory,
+            constraints,
+            mem_limit,
+            recompute,
+            pivots,
+            fold,
+            solver,
+            fixed,
+            nmicros,
+            mem_weights,
         )
 
 
 def _solve(
-    graph, ctx, memory, constraints, mem_limit, recompute, pivots, fold, solver, fixed, nmicros
+    graph, ctx, memory, constraints, mem_limit, recompute, pivots, fold, solver, fixed, nmicros, mem_weights
 ) -> SpmdResult:
     memory = memory or MemoryModel()
     folded = fold_layers(graph, pivots, enabled=fold)
@@ -271,7 +286,9 @@ def _solve(
     if mem_limit is not None:
         prob += (
             pulp.lpSum(
-                c.memory * folded.count[n] * x[n, i] for n in reps for i, c in enumerate(table[n].choices)
+                _weighted_memory(c, mem_weights) * folded.count[n] * x[n, i]
+                for n in reps
+                for i, c in enumerate(table[n].choices)
             )
             <= mem_limit
         )
@@ -317,6 +334,11 @@ def _solve(
             "status": pulp.LpStatus[status],
         },
     )
+
+
+def _weighted_memory(c: Choice, weights: tuple[float, float]) -> float:
+    act = c.activation_bytes
+    return (c.memory - act) * weights[0] + act * weights[1]
 
 
 def _result(graph, folded, table, edges, edge_cost, out_cost, pick, ctx, stats) -> SpmdResult:
