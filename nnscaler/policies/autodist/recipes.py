@@ -10,7 +10,7 @@ from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
 from nnscaler.policies.autodist.evaluate import evaluate_nodes
 from nnscaler.policies.autodist.layers import layer_instances
-from nnscaler.policies.autodist.search import Candidate, PlannerSetup, divisors
+from nnscaler.policies.autodist.search import Candidate, PlannerSetup, _ctx, _transient, divisors
 from nnscaler.policies.staging import balanced_starts
 from nnscaler.policies.tp import pas_tp
 
@@ -29,10 +29,26 @@ def _scale(setup: PlannerSetup, dp: int) -> float:
     return setup.batch_scale * setup.dp_size / dp
 
 
+def _fit(graph: Graph, s: PlannerSetup, nodes, pp: int, starts, m: int, layers: tuple[str, ...]):
+    """The recipe as it is, or with every layer recomputed when that is what makes it fit."""
+    transient = _transient(graph, _ctx(s, s.plan_ngpus // pp), s)
+    cand = evaluate_nodes(graph, s, nodes, pp=pp, starts=starts, nmicros=m)
+    if cand.memory + transient <= s.mem_limit or not layers:
+        return cand, cand.memory + transient <= s.mem_limit, ""
+    rc = evaluate_nodes(graph, s, nodes, pp=pp, starts=starts, nmicros=m, recompute=layers)
+    if rc.memory + transient <= s.mem_limit:
+        return rc, True, " + recompute"
+    return cand, False, ""
+
+
 def standard_recipes(graph: Graph, setup: PlannerSetup, ndevices: int, nmicros: int = 1) -> list[Recipe]:
     """DP+ZeRO over `ndevices`, and Megatron TP x PP x DP splitting them (tp within a node), each taking
-    the same global batch as `setup` (setup.dp_size replicas of the traced batch x nmicros)."""
+    the same global batch as `setup` (setup.dp_size replicas of the traced batch x nmicros); a recipe
+    that does not fit in memory is tried again with every layer recomputed."""
     out: list[Recipe] = []
+    _, instances = layer_instances(graph, setup.pivots)
+    layers = tuple(p for p, _ in instances)
+    layer_starts = [idx[0] for _, idx in instances]
     for zero in (1, 2, 3):
         s = replace(
             setup,
@@ -41,10 +57,8 @@ def standard_recipes(graph: Graph, setup: PlannerSetup, ndevices: int, nmicros: 
             memory=replace(setup.memory, zero_stage=zero),
             batch_scale=_scale(setup, ndevices),
         )
-        cand = evaluate_nodes(graph, s, {}, nmicros=nmicros)
-        out.append(Recipe(f"DP x{ndevices} + ZeRO-{zero}", cand, cand.memory <= setup.mem_limit))
-    _, instances = layer_instances(graph, setup.pivots)
-    layer_starts = [idx[0] for _, idx in instances]
+        cand, fits, rc = _fit(graph, s, {}, 1, None, nmicros, layers)
+        out.append(Recipe(f"DP x{ndevices} + ZeRO-{zero}{rc}", cand, fits))
     for tp in divisors(ndevices):
         if tp > setup.cluster.devices_per_node:
             continue
@@ -59,8 +73,8 @@ def standard_recipes(graph: Graph, setup: PlannerSetup, ndevices: int, nmicros: 
             m = max(nmicros, pp) if pp > 1 else nmicros
             try:
                 starts = balanced_starts(graph, layer_starts[1:], pp) if pp > 1 else None
-                cand = evaluate_nodes(graph, s, tp_nodes, pp=pp, starts=starts, nmicros=m)
+                cand, fits, rc = _fit(graph, s, tp_nodes, pp, starts, m, layers)
             except PlanError:
                 continue
-            out.append(Recipe(f"Megatron TP{tp} x PP{pp} x DP{dp}", cand, cand.memory <= setup.mem_limit))
+            out.append(Recipe(f"Megatron TP{tp} x PP{pp} x DP{dp}{rc}", cand, fits))
     return out
