@@ -118,7 +118,7 @@ ROWS = {
     "llama3-8b-128k": (lambda n: _llama(n, 131072, 1), "h100x8", 8),
     "llama3-70b": (lambda n: _llama(n, 8192, 64, 8192, 28672, 64, 8, 80), "h100x64_ib", 64),
     "t5-large-512k-vocab": (lambda n: t5_large_512k(n), "h100x8", 8),
-    "mixtral-8x7b": (lambda n: mixtral(n), "h100x8", 8),
+    "mixtral-like-24b": (lambda n: mixtral(n), "h100x8", 8),
 }
 
 

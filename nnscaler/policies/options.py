@@ -192,8 +192,17 @@ class AutodistOptions(PipelineOptions):
     transient_mem_coef: float = field(
         default=2.0, metadata=_doc("Transient buffers as a multiple of the largest activation.")
     )
+    profile_db_path: str | None = field(
+        default=None,
+        metadata=_doc(
+            "Measured op times (JSON from nnscaler.policies.autodist.profiler) used instead of the analytic ones."
+        ),
+    )
     solver: Literal["auto", "cbc", "highs"] = field(
-        default="auto", metadata=_doc("Integer-program solver ('auto': CBC, measured the faster here; 'highs' needs highspy).")
+        default="auto",
+        metadata=_doc(
+            "Integer-program solver ('auto': CBC, measured the faster here; 'highs' needs highspy)."
+        ),
     )
 
 

@@ -122,6 +122,9 @@ def node_choices(
             local_bytes(b, lay_, ways) for b, lay_ in zip(out_bytes, outs)
         )
         compute = 0.0 if free else compute_time(flops / ways, moved, ctx, dtype, matmul)
+        if ctx.measured and not free and ctx.training and scale == 1.0:
+            key = op_key(node.op, _local_shapes(graph, refs, ins, ways), dtype)
+            compute = ctx.measured.get(key, compute)
         comm = _internal_comm(bound, rule, plan, in_bytes, out_bytes, ctx)
         param_local = 0.0
         sync = 0.0
@@ -163,6 +166,21 @@ def node_choices(
             )
         )
     return out
+
+
+def _local_shapes(graph: Graph, refs: list[str], layouts, ways: int) -> list[tuple[int, ...]]:
+    out = []
+    for ref, lay in zip(refs, layouts):
+        shape = list(graph.values[ref].meta.shape)
+        if isinstance(lay, Shard) and ways > 1:
+            shape[lay.dim] //= ways
+        out.append(tuple(shape))
+    return out
+
+
+def op_key(op: str, shapes: list[tuple[int, ...]], dtype: str) -> str:
+    """The key of an op at local input shapes in a measured database (profiler.ProfileDB)."""
+    return f"{op}|{';'.join('x'.join(map(str, s)) for s in shapes)}|{dtype.replace('torch.', '')}"
 
 
 def _internal_comm(bound, rule, plan: NodePlan, in_bytes, out_bytes, ctx: CostContext) -> float:

@@ -105,6 +105,8 @@ class CostContext:
     """Dtype the math runs in (None: the traced dtype; 'bfloat16' plans an fp32-traced model for bf16)."""
     batch_scale: float = 1.0
     """Multiplies the size of activations that carry the batch (micro-batch size relative to the traced one)."""
+    measured: dict[str, float] | None = None
+    """Measured forward + backward seconds by op key (profiler.ProfileDB.entries); used where present."""
     traced_batch: int = 0
     """Batch size of the trace: an activation whose dim 0 is a multiple of it carries the batch (0: all do)."""
 

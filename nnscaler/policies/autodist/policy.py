@@ -75,7 +75,22 @@ def planner_setup(
         end2end=cfg.use_end2end,
         nstages=None if opts.pipeline_nstages == "auto" else opts.pipeline_nstages,
         nmicros=opts.pipeline_nmicros,
+        measured=_measured(opts.profile_db_path),
     )
+
+
+def _measured(path: str | None) -> dict[str, float] | None:
+    if not path:
+        return None
+    from pathlib import Path
+
+    from nnscaler.policies.autodist.profiler import ProfileDB
+
+    if not Path(path).exists():
+        raise PlanError(
+            f"pas_config['profile_db_path'] = {path!r}: no such file (write one with profile_graph)"
+        )
+    return ProfileDB.load(path).entries
 
 
 def plan_from_candidate(graph: Graph, cand: Candidate, setup: PlannerSetup, scheduler: str = "1f1b") -> Plan:

@@ -48,6 +48,8 @@ class PlannerSetup:
     """Micro-batch size relative to the traced batch (recipes over fewer replicas take bigger batches)."""
     max_tp: int | None = None
     """Largest tensor-parallel degree to consider (offline planning: the devices of one node)."""
+    measured: dict[str, float] | None = None
+    """Measured op times (pas_config['profile_db_path']), overriding the analytic ones where present."""
 
 
 @dataclass
@@ -95,6 +97,7 @@ def _ctx(setup: PlannerSetup, ways: int) -> CostContext:
         compute_dtype=setup.compute_dtype,
         traced_batch=setup.traced_batch,
         batch_scale=setup.batch_scale,
+        measured=setup.measured,
     )
 
 
