@@ -10,7 +10,7 @@ from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
 from nnscaler.policies.autodist.cluster import ClusterSpec
 from nnscaler.policies.autodist.policy import plan_from_candidate, planner_setup
-from nnscaler.policies.autodist.search import Candidate, PlannerSetup, divisors, search
+from nnscaler.policies.autodist.search import Candidate, PlannerSetup, divisors, micro_options, search
 from nnscaler.policies.plan import Plan
 
 __all__ = ["OfflinePlan", "plan_offline"]
@@ -38,7 +38,8 @@ def plan_offline(
 ) -> OfflinePlan:
     """Search plan_ngpus (each a divisor of ndevices; the rest is data parallel) x the plan itself.
 
-    The traced batch is the global batch of one micro-step: with dp replicas each takes 1/dp of it.
+    The traced batch is the global batch of one step: dp replicas x nmicros micro-batches share it
+    (the micro-batch count is searched too, unless pas_config fixes pipeline_nmicros).
     Tensor parallelism stays inside a node (larger plans are pipelines of node-sized stages).
     """
     import time
@@ -53,16 +54,18 @@ def plan_offline(
     errors = []
     for p in sizes:
         cfg = ComputeConfig(p, ndevices, use_end2end=end2end, pas_config=pas)
-        setup = planner_setup(graph, cfg, cluster=cluster)
-        setup = replace(setup, batch_scale=setup.batch_scale / setup.dp_size, max_tp=cluster.devices_per_node)
-        try:
-            best, _ = search(graph, setup)
-        except PlanError as exc:
-            errors.append(f"plan_ngpus={p}: {exc}")
-            continue
-        results.append((best, setup))
+        base = planner_setup(graph, cfg, cluster=cluster)
+        base = replace(base, max_tp=cluster.devices_per_node, global_batch=True)
+        for m in micro_options(base, base.dp_size):
+            setup = replace(base, nmicros=m, batch_scale=1.0 / (base.dp_size * m))
+            try:
+                best, _ = search(graph, setup)
+            except PlanError as exc:
+                errors.append(f"plan_ngpus={p} nmicros={m}: {exc}")
+                continue
+            results.append((best, setup))
     if not results:
         raise PlanError("no plan fits: " + "; ".join(errors))
-    best, setup = min(results, key=lambda r: (r[0].time_per_micro, r[0].pp, r[1].plan_ngpus))
+    best, setup = min(results, key=lambda r: (r[0].step_time, r[0].pp, r[1].plan_ngpus))
     plan = plan_from_candidate(graph, best, setup)
     return OfflinePlan(plan, best, setup, [c for c, _ in results], time.perf_counter() - t0)

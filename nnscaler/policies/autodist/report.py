@@ -105,11 +105,13 @@ def plan_report(
             lines.append(
                 f"| {r.name} | {_ms(r.candidate.step_time)} | {_gb(r.candidate.memory)} | {'yes' if r.fits else 'no'} |"
             )
-        lines += [
-            "",
-            "Every recipe takes the same global batch per step as the chosen plan (its micro-batches "
-            "grow or shrink with its data-parallel degree) and the same number of micro-batches.",
-        ]
+        if setup.global_batch:
+            note = "split over its data-parallel replicas and its best micro-batch count."
+        else:
+            note = (
+                "(its micro-batches grow or shrink with its data-parallel degree) and the same micro-batches."
+            )
+        lines += ["", f"Every recipe takes the same global batch per step as the chosen plan, {note}"]
     return "\n".join(lines) + "\n"
 
 

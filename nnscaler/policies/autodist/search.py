@@ -48,6 +48,9 @@ class PlannerSetup:
     """Micro-batch size relative to the traced batch (recipes over fewer replicas take bigger batches)."""
     max_tp: int | None = None
     """Largest tensor-parallel degree to consider (offline planning: the devices of one node)."""
+    global_batch: bool = False
+    """Offline planning: the traced batch is the whole step's batch, shared by dp replicas x nmicros
+    micro-batches (batch_scale = 1 / (dp x nmicros)); otherwise it is one micro-batch of one replica."""
     measured: dict[str, float] | None = None
     """Measured op times (pas_config['profile_db_path']), overriding the analytic ones where present."""
 
@@ -85,6 +88,15 @@ class Candidate:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def micro_options(setup: PlannerSetup, dp: int) -> list[int]:
+    """Micro-batch counts to try when the global batch is fixed: powers of two leaving each micro-batch
+    at least one sample of the traced batch."""
+    if setup.nmicros:
+        return [setup.nmicros]
+    batch = max(setup.traced_batch, 1)
+    return [m for m in (1, 2, 4, 8, 16, 32, 64) if m * dp <= batch] or [1]
 
 
 def _ctx(setup: PlannerSetup, ways: int) -> CostContext:
