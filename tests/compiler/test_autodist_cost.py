@@ -152,3 +152,17 @@ def test_addmm_flops_count_the_contracted_dim(zoo_graphs):
     graph = zoo_graphs["gpt2"][0]
     addmm = next(n for n in graph.nodes if n.op == "aten.addmm.default")  # c_attn: (64, 64) @ (64, 192)
     assert node_flops(addmm, graph) == 2 * 64 * 192 * 64
+
+
+def test_flops_follow_a_smaller_micro_batch(zoo_graphs):
+    """A micro-batch half the traced one halves a linear's compute (its weight does not scale)."""
+    from nnscaler.policies.autodist.choices import node_choices
+
+    graph = zoo_graphs["llama"][0]
+    q = next(n for n in graph.nodes if n.module_path == "model.layers.0.self_attn.q_proj")
+    cluster = load_cluster({"device": {"name": "cpu", "mem_bw_gbs": 1e6, "kernel_overhead_us": 0}})
+    full = CostContext(cluster, traced_batch=4)
+    half = CostContext(cluster, traced_batch=4, batch_scale=0.5)
+    t_full = node_choices(graph, q, full, MemoryModel(), set()).choices[0].compute
+    t_half = node_choices(graph, q, half, MemoryModel(), set()).choices[0].compute
+    assert t_half == pytest.approx(t_full / 2)

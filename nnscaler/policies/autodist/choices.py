@@ -99,9 +99,13 @@ def node_choices(
     metas_out = [graph.values[o].meta for o in node.outputs]
     in_bytes = [ctx.value_bytes(graph, r) for r in refs]
     out_bytes = [ctx.value_bytes(graph, o) for o in node.outputs]
-    scale = max(
-        [ctx.value_scale(graph, r) for r in refs + list(node.outputs) if graph.values[r].meta] or [1.0]
-    )
+    acts = [
+        r
+        for r in refs + list(node.outputs)
+        if graph.values[r].meta and graph.values[r].kind not in ("param", "buffer")
+    ]
+    # FLOPs follow the batch: the largest scaling of an activation (weights never scale)
+    scale = max((ctx.value_scale(graph, r) for r in acts), key=lambda v: abs(v - 1.0), default=1.0)
     flops = node_flops(node, graph) * scale
     dtype = next((m.dtype for m in metas_out if m is not None), "float32")
     free = is_free_op(node, graph)
