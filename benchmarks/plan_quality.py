@@ -129,7 +129,7 @@ def run_row(name: str, layers: int | None) -> dict:
     graph = capture(model, inputs)
     trace_s = time.perf_counter() - t0
     cluster = load_cluster(cluster_name)
-    result = plan_offline(graph, cluster, ndev, pas_config={"use_bf16": True, "zero_stage": 1})
+    result = plan_offline(graph, cluster, ndev, pas_config={"use_bf16": True})
     best = result.best
     recipes = standard_recipes(graph, result.setup, ndev, best.nmicros)
     fitting = [r for r in recipes if r.fits and not math.isnan(r.candidate.step_time)]

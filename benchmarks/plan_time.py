@@ -53,9 +53,7 @@ def plan_70b(layers: int | None) -> dict:
     t0 = time.perf_counter()
     graph = capture(model, inputs)
     trace_s = time.perf_counter() - t0
-    result = plan_offline(
-        graph, load_cluster("h100x64_ib"), 64, pas_config={"use_bf16": True, "zero_stage": 1}
-    )
+    result = plan_offline(graph, load_cluster("h100x64_ib"), 64, pas_config={"use_bf16": True})
     return {
         "row": "llama3-70b offline plan, 64x H100 (8 nodes)",
         "nodes": len(graph.nodes),

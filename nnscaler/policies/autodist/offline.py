@@ -56,12 +56,21 @@ def plan_offline(
         cfg = ComputeConfig(p, ndevices, use_end2end=end2end, pas_config=pas)
         base = planner_setup(graph, cfg, cluster=cluster)
         base = replace(base, max_tp=cluster.devices_per_node, global_batch=True)
-        for m in micro_options(base, base.dp_size):
-            setup = replace(base, nmicros=m, batch_scale=1.0 / (base.dp_size * m))
+        # ZeRO: stage 2 costs what stage 1 does and keeps less; stage 3 (no pipelines) trades an
+        # all-gather for parameter memory. A stage given in pas_config is kept.
+        zeros = [base.memory.zero_stage] if "zero_stage" in pas or base.dp_size == 1 else [2, 3]
+        for zero, m in [(z, m) for z in zeros for m in micro_options(base, base.dp_size)]:
+            setup = replace(
+                base,
+                nmicros=m,
+                batch_scale=1.0 / (base.dp_size * m),
+                memory=replace(base.memory, zero_stage=zero),
+                nstages=1 if zero == 3 else base.nstages,
+            )
             try:
                 best, _ = search(graph, setup)
             except PlanError as exc:
-                errors.append(f"plan_ngpus={p} nmicros={m}: {exc}")
+                errors.append(f"plan_ngpus={p} nmicros={m} zero={zero}: {exc}")
                 continue
             results.append((best, setup))
     if not results:

@@ -72,6 +72,8 @@ class Candidate:
     """Node index where each pipeline stage starts (pp > 1)."""
     stage_times: list[float] = field(default_factory=list)
     recompute_paths: tuple[str, ...] = ()
+    zero: int = 0
+    """ZeRO stage the candidate was costed with (shown in its label when not 0)."""
     origin: str = "ilp"
     """'ilp': the searched partition; 'megatron': the tp policy's layout, kept where the model scores it
     better (the ILP works on folded layers and per-edge costs, so a hand-made layout can edge it out)."""
@@ -83,7 +85,8 @@ class Candidate:
     def label(self) -> str:
         rc = ", recompute" if self.recompute else ""
         seed = ", megatron layout" if self.origin == "megatron" else ""
-        return f"pp={self.pp} tp={self.tp} nmicros={self.nmicros}{rc}{seed}"
+        zero = f", zero{self.zero}" if self.zero else ""
+        return f"pp={self.pp} tp={self.tp} nmicros={self.nmicros}{rc}{seed}{zero}"
 
 
 def divisors(n: int) -> list[int]:
@@ -91,12 +94,12 @@ def divisors(n: int) -> list[int]:
 
 
 def micro_options(setup: PlannerSetup, dp: int) -> list[int]:
-    """Micro-batch counts to try when the global batch is fixed: powers of two leaving each micro-batch
+    """Micro-batch counts to try when the global batch is fixed: powers of four leaving each micro-batch
     at least one sample of the traced batch."""
     if setup.nmicros:
         return [setup.nmicros]
     batch = max(setup.traced_batch, 1)
-    return [m for m in (1, 2, 4, 8, 16, 32, 64) if m * dp <= batch] or [1]
+    return [m for m in (1, 4, 16, 64) if m * dp <= batch] or [1]
 
 
 def _ctx(setup: PlannerSetup, ways: int) -> CostContext:
@@ -289,5 +292,7 @@ def search(graph: Graph, setup: PlannerSetup) -> tuple[Candidate, list[Candidate
         raise PlanError(f"autodist: {why}")
     if setup.constraints.rules == () and setup.plan_ngpus > 1:
         scored.extend(_megatron_alternatives(graph, setup, scored))
+    for c in scored:
+        c.zero = setup.memory.zero_stage if setup.dp_size > 1 else 0
     best = min(scored, key=lambda c: (c.time_per_micro, c.pp, -c.tp, c.recompute))
     return best, scored
