@@ -2,6 +2,7 @@
 
 from nnscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
 from nnscaler.errors import CodegenError, ConfigError, PartitionError, PlanError, TraceError
+from nnscaler.graph.capture.markers import anchor, constant_folding, fold_constant, no_constant_folding
 from nnscaler.graph.ops import register_op
 from nnscaler.parallel import parallelize
 from nnscaler.runtime import (
@@ -16,6 +17,7 @@ from nnscaler.runtime import (
     merge_state_dicts,
     uninit,
 )
+from nnscaler.runtime.sync_flags import sync_grad_when
 from nnscaler.version import __version__
 
 __all__ = [
@@ -32,7 +34,12 @@ __all__ = [
     "load_deduped_state_dict",
     "load_sharded_state_dict",
     "broadcast_weights",
+    "sync_grad_when",
     "register_op",
+    "anchor",
+    "constant_folding",
+    "no_constant_folding",
+    "fold_constant",
     "init",
     "uninit",
     "TraceError",

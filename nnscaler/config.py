@@ -148,9 +148,48 @@ class ComputeConfig:
         """Number of data-parallel replicas of the plan."""
         return self.dims.dp_size
 
-    def get_sync_group(self, rank: int) -> list[int]:
-        """Ranks that hold the same plan device as `rank` (its data-parallel group)."""
-        return self.dims.dp_group(rank)
+    def get_sync_group(self) -> tuple[list[int], Any]:
+        """nnScaler's: (ranks, process group) of this rank's data-parallel group (the ranks holding the
+        same weights). Collective the first time: creates every data-parallel group, so every rank
+        must call it."""
+        import torch.distributed as dist
+
+        from nnscaler.runtime.groups import create_groups, get_group
+
+        create_groups(self.dims.dp_groups())
+        ranks = self.dims.dp_group(dist.get_rank())
+        return ranks, get_group(ranks)
+
+    @property
+    def gpu_config(self) -> dict[str, int]:
+        """nnScaler's: the device counts."""
+        return {"plan_ngpus": self.plan_ngpus, "runtime_ngpus": self.dims.world_size}
+
+    @property
+    def graph_config(self) -> dict[str, Any]:
+        """nnScaler's: the fields the traced graph depends on."""
+        return {
+            "constant_folding": self.constant_folding,
+            "user_config": self.user_config,
+            "inference_only": self.inference_only,
+            "end2end_mode": self.use_end2end,
+            "trace_strategy": self.trace_strategy,
+        }
+
+    @property
+    def module_dedup_group_size(self) -> int:
+        """nnScaler's: ranks whose model state dicts differ (one replica: `plan_ngpus`)."""
+        return self.plan_ngpus
+
+    @property
+    def optimizer_dedup_group_size(self) -> int:
+        """nnScaler's: ranks whose optimizer state dicts differ (under ZeRO, one ZeRO group's span)."""
+        return self.dims.world_size // self.zero_ngroups if self.use_zero else self.plan_ngpus
+
+    @property
+    def max_bucket_size_bytes(self) -> int | None:
+        """nnScaler's: `reducer_bucket_cap_mb` in bytes (None: the default)."""
+        return int(self.reducer_bucket_cap_mb * 2**20) if self.reducer_bucket_cap_mb else None
 
     def get_plan_group(self, rank: int) -> list[int]:
         """Ranks that together run one copy of the plan with `rank`."""

@@ -29,7 +29,19 @@ def test_axes_of_a_tp2_dp4_run() -> None:
 def test_compute_config_asks_the_dims() -> None:
     cfg = ComputeConfig(2, 8, use_zero=True, zero_ngroups=2)
     assert cfg.dims == ParallelDims(2, 8, 2)
-    assert cfg.get_sync_group(5) == [1, 3, 5, 7] and cfg.get_plan_group(5) == [4, 5] and cfg.dp_size == 4
+    assert cfg.get_plan_group(5) == [4, 5] and cfg.dp_size == 4
+    # nnScaler's ComputeConfig members
+    assert cfg.gpu_config == {"plan_ngpus": 2, "runtime_ngpus": 8}
+    assert cfg.module_dedup_group_size == 2 and cfg.optimizer_dedup_group_size == 4
+    assert cfg.max_bucket_size_bytes is None
+    assert ComputeConfig(1, 2, reducer_bucket_cap_mb=2.0).max_bucket_size_bytes == 2 * 2**20
+    assert set(cfg.graph_config) == {
+        "constant_folding",
+        "user_config",
+        "inference_only",
+        "end2end_mode",
+        "trace_strategy",
+    }
 
 
 def test_bad_layouts_name_the_numbers() -> None:

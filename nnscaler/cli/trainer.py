@@ -149,8 +149,8 @@ class Trainer:
                 f"({self.model.nmicros_per_scheduler_step}): a pipelined train_step takes that many micro-batches"
             )
         self.replica, self.num_replicas = self.rank // cc.plan_ngpus, args.scaling_factor
-        create_groups([cc.get_sync_group(r) for r in range(cc.plan_ngpus)])
-        self.sync_group = get_group(cc.get_sync_group(self.rank))
+        create_groups(cc.dims.dp_groups())
+        self.sync_group = get_group(cc.dims.dp_group(self.rank))
         """The ranks at this rank's place in every replica (nnScaler's sync group)."""
         self.loaders = {}
         for stage in ("train", "val"):
@@ -329,7 +329,7 @@ class Trainer:
         hook.after_sync_grad(self)
         hook.before_gnorm_clip(self)
         clip = args.optimizer.clip_gnorm or None
-        gnorm = opt.clip_gnorm(clip) if hasattr(opt, "clip_gnorm") else self.model.clip_gnorm(clip)
+        gnorm = opt.clip_gnorm(clip) if hasattr(opt, "clip_gnorm") else self.model.clip_gnorm(clip)[0]
         hook.after_gnorm_clip(self, gnorm)
         hook.before_optimizer_step(self)
         opt.step()

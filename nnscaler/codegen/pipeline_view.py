@@ -139,9 +139,9 @@ def build_pipeline_view(
     ]
     built = [_stage_view(pprog, s, fmt, full_shapes) for s in mine]
     stages = [view for view, _ in built]
-    dp_group = cfg.get_sync_group(rank)
+    dp_group = cfg.dims.dp_group(rank)
     all_groups = layout.all_groups(list(tied.values())) + [
-        cfg.get_sync_group(r) for r in range(cfg.plan_ngpus)
+        cfg.dims.dp_group(r) for r in range(cfg.plan_ngpus)
     ]
     groups = {"tp": layout.tp_group(rank), "dp": dp_group, "pp": layout.pp_group(rank)}
     init_call = (

@@ -62,38 +62,48 @@ def _model_param_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.Ten
     return model_param_groups(optimizer)
 
 
+def _on_device(device: str | torch.device | None, *state_dicts: Mapping[str, Any] | None) -> tuple[Any, ...]:
+    """nnScaler's `device=` of the loaders: the state dicts' tensors moved there first (None: as they are)."""
+    if device is None:
+        return state_dicts
+    move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return tuple(None if sd is None else torch.utils._pytree.tree_map(move, dict(sd)) for sd in state_dicts)
+
+
 def load_merged_state_dict(
     module: nn.Module,
-    model_state_dict: Mapping[str, Any],
+    module_state_dict: Mapping[str, Any],
     optimizer: torch.optim.Optimizer | None = None,
     optimizer_state_dict: Mapping[str, Any] | None = None,
     *,
     strict: bool = True,
+    device: str | torch.device | None = None,
 ) -> _IncompatibleKeys:
     """Load single-device state dicts (e.g. from `merge_state_dicts`) into this rank's module/optimizer.
 
     Works under any plan: each rank takes its own shards. A merged optimizer state dict without
     `param_names` (a plain single-device optimizer's) is matched by position: parameter `i` is the
-    `i`-th parameter entry of `model_state_dict` (its `named_parameters()` order).
+    `i`-th parameter entry of `module_state_dict` (its `named_parameters()` order).
 
     Returns the missing and unexpected keys of the model state dict, as torch's `load_state_dict`
     does. `strict` raises naming them before loading anything; `strict=False` loads the matching
     keys and warns about the others. A state dict of which no key matches raises either way (the
     wrong dict, or keys with an extra prefix such as 'module.'; the message says which).
     """
-    missing, unexpected = check_load_keys(module_keys(module), model_state_dict, strict)
+    module_state_dict, optimizer_state_dict = _on_device(device, module_state_dict, optimizer_state_dict)
+    missing, unexpected = check_load_keys(module_keys(module), module_state_dict, strict)
     if isinstance(module, ParallelModule):
-        module.load_merged_state_dict(model_state_dict, strict=False)
+        module.load_merged_state_dict(module_state_dict, strict=False)
     else:
         for prefix, pm in parallel_modules(module):
-            sub = {k[len(prefix) :]: v for k, v in model_state_dict.items() if k.startswith(prefix)}
+            sub = {k[len(prefix) :]: v for k, v in module_state_dict.items() if k.startswith(prefix)}
             pm.load_merged_state_dict(sub, strict=False)
         with torch.no_grad():
             for k, (pm, t) in _full_names(module).items():
-                if pm is None and k in model_state_dict:
-                    t.copy_(model_state_dict[k])
+                if pm is None and k in module_state_dict:
+                    t.copy_(module_state_dict[k])
     if optimizer is not None and optimizer_state_dict is not None:
-        _load_merged_optimizer(module, model_state_dict, optimizer, optimizer_state_dict, strict)
+        _load_merged_optimizer(module, module_state_dict, optimizer, optimizer_state_dict, strict)
     return _IncompatibleKeys(missing, unexpected)
 
 
@@ -192,14 +202,17 @@ def deduped_state_dict(
 
 def load_deduped_state_dict(
     module: nn.Module,
-    model_state_dict: Mapping[str, Any],
+    module_state_dict: Mapping[str, Any],
     optimizer: torch.optim.Optimizer | None = None,
     optimizer_state_dict: Mapping[str, Any] | None = None,
+    *,
+    device: str | torch.device | None = None,
 ) -> None:
     """Load `deduped_state_dict` output (same plan): load what this rank has, broadcast the rest."""
-    _check_metadata("load_deduped_state_dict", module, model_state_dict)
-    model_state_dict = share_zero3_weights(module, model_state_dict)
-    module.load_state_dict(model_state_dict, strict=False)
+    module_state_dict, optimizer_state_dict = _on_device(device, module_state_dict, optimizer_state_dict)
+    _check_metadata("load_deduped_state_dict", module, module_state_dict)
+    module_state_dict = share_zero3_weights(module, module_state_dict)
+    module.load_state_dict(module_state_dict, strict=False)
     broadcast_weights(module)
     if optimizer is None or optimizer_state_dict is None:
         return
@@ -243,15 +256,18 @@ def _check_optimizer_rank(who: str, module: nn.Module, optimizer_state_dict: Map
 
 def load_sharded_state_dict(
     module: nn.Module,
-    model_state_dict: Mapping[str, Any],
+    module_state_dict: Mapping[str, Any],
     optimizer: torch.optim.Optimizer | None = None,
     optimizer_state_dict: Mapping[str, Any] | None = None,
+    *,
+    device: str | torch.device | None = None,
 ) -> None:
     """Load this rank's own state dicts, saved under the same plan (a plain `load_state_dict`, after
     checking that they carry their metadata and come from this rank and plan)."""
-    _check_metadata("load_sharded_state_dict", module, model_state_dict)
+    module_state_dict, optimizer_state_dict = _on_device(device, module_state_dict, optimizer_state_dict)
+    _check_metadata("load_sharded_state_dict", module, module_state_dict)
     if optimizer is not None and optimizer_state_dict is not None:
         _check_optimizer_rank("load_sharded_state_dict", module, optimizer_state_dict)
-    module.load_state_dict(model_state_dict)
+    module.load_state_dict(module_state_dict)
     if optimizer is not None and optimizer_state_dict is not None:
         optimizer.load_state_dict(optimizer_state_dict)

@@ -68,10 +68,19 @@ def _outer_tensors(module: nn.Module) -> list[torch.Tensor]:
     return [t for t in [*module.parameters(), *module.buffers()] if id(t) not in inner]
 
 
-def broadcast_weights(module: nn.Module, src_rank: int = 0) -> None:
+def broadcast_weights(module: nn.Module, stride_size: int | None = None, *, src_rank: int = 0) -> None:
     """Make data-parallel replicas equal: broadcast each ParallelModule's local tensors within its
-    "dp" group from the group's `src_rank`-th rank (0: the first); outer tensors from global `src_rank`."""
-    for _, pm in parallel_modules(module):
+    "dp" group from the group's `src_rank`-th rank (0: the first); outer tensors from global `src_rank`.
+
+    `stride_size` (nnScaler's argument): the ranks holding distinct pieces, sources of the broadcast;
+    for a ParallelModule that is its `plan_ngpus` (the default, None), the only value that fits."""
+    for prefix, pm in parallel_modules(module):
+        if stride_size is not None and stride_size != pm.plan_ngpus:
+            raise ValueError(
+                f"broadcast_weights(stride_size={stride_size}): the ParallelModule at {prefix or '<root>'!r} "
+                f"spans plan_ngpus={pm.plan_ngpus} ranks per replica, so weights can only be broadcast from one "
+                f"replica's {pm.plan_ngpus} ranks: pass stride_size={pm.plan_ngpus} or None"
+            )
         dp = pm.group("dp")
         if dp is None:
             continue

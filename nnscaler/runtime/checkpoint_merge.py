@@ -85,7 +85,7 @@ def _replica_hint(pieces: Sequence[Piece]) -> str:
 
 
 def merge_state_dicts(
-    model_state_dicts: Sequence[Mapping[str, Any]],
+    module_state_dicts: Sequence[Mapping[str, Any]],
     optimizer_state_dicts: Sequence[Mapping[str, Any]] | None = None,
     *,
     check_replicas: bool = True,
@@ -113,9 +113,9 @@ def merge_state_dicts(
     contract); each merged group also carries `param_names`, and `load_merged_state_dict` uses those
     names, so loading back is exact even when the order differs.
     """
-    pieces = sorted(read_pieces(model_state_dicts), key=lambda p: p.rank)
+    pieces = sorted(read_pieces(module_state_dicts), key=lambda p: p.rank)
     hint = _replica_hint(pieces)
-    merged = _merge_model([(p, model_state_dicts[p.index]) for p in pieces], check_replicas, hint)
+    merged = _merge_model([(p, module_state_dicts[p.index]) for p in pieces], check_replicas, hint)
     if optimizer_state_dicts is None:
         return merged, None
     opts = pair_optimizers(pieces, optimizer_state_dicts)

@@ -32,6 +32,7 @@ from nnscaler.runtime import preflight, shapes
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.end2end import EndToEndMixin
 from nnscaler.runtime.groups import create_groups, create_host_groups, get_group, get_host_group
+from nnscaler.runtime.module_compat import ModuleCompatMixin
 from nnscaler.runtime.module_grads import GradientsMixin
 from nnscaler.runtime.reducer import Reducer
 from nnscaler.runtime.shard import Shard, local_shape, normalize_shard, shard_slice
@@ -90,7 +91,7 @@ def _after_forward(module: ParallelModule, args: Any, output: Any) -> None:
         module._zero3.end_forward()  # ZeRO-3: drop the gathered parameters
 
 
-class ParallelModule(GradientsMixin, EndToEndMixin, nn.Module):
+class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, nn.Module):
     """Base class of generated code: one rank's shards of a model, plus gradient sync and checkpoints."""
 
     rank: int = 0

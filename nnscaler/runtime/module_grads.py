@@ -15,7 +15,14 @@ from torch import nn
 from nnscaler.runtime.autotune import BucketAutotuner
 from nnscaler.runtime.device import runtime_device
 from nnscaler.runtime.groups import create_host_groups, get_host_group
-from nnscaler.runtime.reducer import Reducer, build_reducer, first_holders, grad_sq_norm, scale_grads
+from nnscaler.runtime.reducer import (
+    Reducer,
+    build_reducer,
+    first_holders,
+    grad_sq_norm,
+    param_grad,
+    scale_grads,
+)
 from nnscaler.runtime.zero3 import Zero3Reducer, build_zero3
 
 __all__ = ["GradientsMixin"]
@@ -189,12 +196,23 @@ class GradientsMixin:
             dist.all_reduce(total, group=plan)
         return total
 
-    def clip_gnorm(self, max_norm: float | None = None) -> torch.Tensor:
-        """Total gradient 2-norm (same on every rank) as a 0-dim fp32 device tensor (as nnScaler; no
-        host sync: call `float()` on it when the value is needed); with `max_norm`, scale gradients
-        like clip_grad_norm_ (the coefficient stays on device)."""
+    def clip_gnorm(self, max_norm: float | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """As nnScaler: (total gradient 2-norm, the gradients the optimizer reads). The norm is the same
+        on every rank, a 0-dim fp32 device tensor (no host sync: call `float()` on it when the value is
+        needed); with `max_norm` (> 0) the gradients are scaled like clip_grad_norm_ (the coefficient
+        stays on device). `optimizer.clip_gnorm` (nnscaler.build_optimizer) returns the norm alone."""
+        total = self.total_gnorm(max_norm)
+        red = self._reducer
+        if red is not None and red.zero:
+            grads = [piece.grad() for piece in red.pieces]
+        else:
+            grads = [g for g in (param_grad(p) for p in self.parameters_for_optimizer()) if g is not None]
+        return total, grads
+
+    def total_gnorm(self, max_norm: float | None = None) -> torch.Tensor:
+        """The total gradient 2-norm as a 0-dim device tensor; clips first when `max_norm` > 0."""
         total = self.grad_sq_norm().sqrt()
-        if max_norm is not None:
+        if max_norm is not None and max_norm > 0:
             self.scale_grads(max_norm, total)
         return total
 

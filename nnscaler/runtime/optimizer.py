@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nnscaler.config import ComputeConfig
 from nnscaler.errors import ConfigError
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.mixed_precision import MixedPrecisionOptimizer, find_mixed_precision
@@ -68,7 +69,7 @@ def clip_gnorm(module: nn.Module, max_norm: float | None = None) -> torch.Tensor
     """Total gradient 2-norm of `module` (ParallelModules and outer parameters) as a 0-dim device
     tensor (no host sync); clip in place if asked."""
     if isinstance(module, ParallelModule):
-        return module.clip_gnorm(max_norm)
+        return module.total_gnorm(max_norm)
     pms = parallel_modules(module)
     outer = outer_parameters(module)
     average_gradients(outer, _world())
@@ -126,9 +127,15 @@ def optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 def build_optimizer(
-    module: nn.Module, optimizer_fn: Callable[..., torch.optim.Optimizer], **kwargs: Any
+    module: nn.Module,
+    optimizer_fn: Callable[..., torch.optim.Optimizer],
+    compute_config: ComputeConfig | None = None,
+    **kwargs: Any,
 ) -> torch.optim.Optimizer:
     """`optimizer_fn(params, **kwargs)` over the module's parameters, syncing gradients before each step.
+
+    `compute_config` (nnScaler's argument, for modules parallelized without one): when given, every
+    ParallelModule in `module` must run under it (its reducer is built from it); a mismatch raises.
 
     `module` is a ParallelModule or an nn.Module containing ParallelModules; parameters outside them
     are averaged over all ranks. The optimizer's `state_dict()` names each parameter (param group
@@ -143,6 +150,14 @@ def build_optimizer(
     `clip_gnorm` reports the norm of the unscaled gradients and defers the clipping to the step's
     fp32 cast (nothing is scaled in bf16 / fp16).
     """
+    for prefix, pm in parallel_modules(module) if compute_config is not None else []:
+        if pm.compute_config is None:
+            pm.compute_config = compute_config
+        elif pm.compute_config != compute_config:
+            raise ValueError(
+                f"build_optimizer(compute_config=...): the ParallelModule at {prefix or '<root>'!r} was "
+                f"parallelized with {pm.compute_config}, not {compute_config}; leave compute_config out"
+            )
     if isinstance(module, ParallelModule):
         params: list[nn.Parameter] = module.parameters_for_optimizer()
     else:

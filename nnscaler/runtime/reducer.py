@@ -23,6 +23,7 @@ from nnscaler.runtime.grad_ops import (  # re-exported: their historical home
 )
 from nnscaler.runtime.groups import create_groups, get_group
 from nnscaler.runtime.hierarchy import Hierarchy, build_hierarchy
+from nnscaler.runtime.sync_flags import reductions_skipped
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -277,7 +278,7 @@ class Reducer:
         if not self._in_pass:
             self._in_pass = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        if bucket.accept(i) and self.enabled:
+        if bucket.accept(i) and self.enabled and not reductions_skipped():
             self._launch(bucket)
             if self.stage >= 2 or self.hier is not None:
                 self._reap()
@@ -294,7 +295,11 @@ class Reducer:
         `no_sync`, under all-reduce: wait for the buckets this pass launched (in launch order) and make
         `.grad` their averaged values, so code between backward and the step sees synced gradients."""
         self._end_pass()
-        if not (self.enabled and self.settle_after_backward and self._queue) or self.scatter:
+        if (
+            not (self.enabled and self.settle_after_backward and self._queue)
+            or self.scatter
+            or reductions_skipped()
+        ):
             return
         launched = list(self._queue)
         self._drain(until=launched[-1])

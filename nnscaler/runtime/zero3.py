@@ -59,6 +59,7 @@ from nnscaler.runtime.reducer import (
     zero_process_groups,
 )
 from nnscaler.runtime.store_sync import reach
+from nnscaler.runtime.sync_flags import reductions_skipped
 from nnscaler.runtime.zero3_blocks import Block, Flat, Saved, Unshard, block_of
 
 __all__ = ["Zero3Reducer", "build_zero3", "block_of"]
@@ -333,7 +334,7 @@ class Zero3Reducer(Reducer):
         flat.uses[i] = max(flat.uses[i] - 1, 0)
         if not bucket.accept(i, grad, arrive=flat.uses[i] == 0):
             return
-        if self.enabled:
+        if self.enabled and not reductions_skipped():
             self._launch(bucket)
             self._reap()
             # bound the full gradient buffers in flight: take in the oldest reduce-scatters (in launch

@@ -90,7 +90,16 @@ def _wrap_function(fn: Callable, name: str) -> Any:
     return op
 
 
-def register_op(annotation: str, name: str | None = None, *, family: str = "user") -> Callable:
+def register_op(
+    annotation: str,
+    name: str | None = None,
+    code_impl_pattern: str = "import",
+    emit_fn: Callable | None = None,
+    transform_rules: Any = None,
+    input_gen_fn: Callable | None = None,
+    *,
+    family: str = "user",
+) -> Callable:
     """Register `annotation` (e.g. '* h, * h -> * h') for a user op; usable as a decorator.
 
     Given a torch.library custom op, its rule is registered under the op's name; given a custom
@@ -98,7 +107,34 @@ def register_op(annotation: str, name: str | None = None, *, family: str = "user
     function (with type hints, in an importable module), it is first made into the custom op
     `torch.ops.nnscaler_user.<name>`, whose backward differentiates the function; the returned
     object is that op, callable like the function.
+
+    nnScaler's other arguments: `code_impl_pattern` ('import' or 'source'): the generated code always
+    imports the function from its module, so both work alike; `input_gen_fn` (inputs for profiling) is
+    accepted and unused (the planner's cost model is analytic). `emit_fn` and `transform_rules` are not
+    supported and raise: the generated code calls the op itself on each rank's shards, split only
+    along the annotation's dims.
     """
+    if not isinstance(annotation, str):
+        raise TypeError(
+            f"register_op: the annotation must be a string such as '* h, * h -> * h', got "
+            f"{type(annotation).__name__} (annotations computed by a function are not supported: use '*' "
+            "for a variable number of leading dims)"
+        )
+    if code_impl_pattern not in ("import", "source"):
+        raise ValueError(
+            f"register_op: code_impl_pattern must be 'import' or 'source', got {code_impl_pattern!r}"
+        )
+    if emit_fn is not None:
+        raise NotImplementedError(
+            "register_op(emit_fn=...) is not supported: the generated code calls the registered op itself on "
+            "each rank's local shards; put rank-specific logic inside the op (torch.distributed is available "
+            "there) and register it without emit_fn"
+        )
+    if transform_rules:
+        raise NotImplementedError(
+            "register_op(transform_rules=...) is not supported: an op splits along the dims its annotation "
+            "marks splittable (see docs/annotations.md); express the split in the annotation"
+        )
     parse_annotation(annotation)  # fail early on a malformed annotation
 
     def decorate(op: Any) -> Any:

@@ -1,0 +1,120 @@
+"""nnScaler 0.8's ParallelModule members that our own API names differently (mixed into
+ParallelModule), so code written for nnScaler runs unchanged: `reducers`, `parameters_for_broadcast`,
+`parameters_for_calc_gnorm`, and the per-rank checkpoint files of `get_checkpoint` /
+`save_checkpoint` / `merge_checkpoints`."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ModuleCompatMixin", "ParamsInfo"]
+
+
+@dataclass(frozen=True)
+class ParamsInfo:
+    """nnScaler's gradient-norm bookkeeping of one reducer's parameters."""
+
+    ranks: tuple[int, ...]
+    """The ranks the parameters are reduced over (this rank alone for parameters without a reducer)."""
+    params: list[nn.Parameter]
+    """What the optimizer steps for them (this rank's slices under ZeRO)."""
+    param_names: list[str]
+    zero_ngroups: int
+
+
+def _save(obj: Any, path: str) -> None:
+    """torch.save to `path` atomically: a crash leaves the previous file or none, never half of one.
+    (The runtime cannot use the compiler's codegen/atomic.py: it imports only torch and config.)"""
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class ModuleCompatMixin:
+    """Mixed into ParallelModule (it uses its `reducer`, `fullmap`, `state_dict`, ...)."""
+
+    @property
+    def reducers(self) -> list[Any]:
+        """nnScaler's list of reducers: ours has one gradient reducer per module (or none)."""
+        red = self.reducer  # type: ignore[attr-defined]
+        return [] if red is None else [red]
+
+    def parameters_for_broadcast(self) -> list[nn.Parameter]:
+        """The tensors `broadcast_weights` sends between data-parallel replicas: every parameter."""
+        return list(self.parameters())  # type: ignore[attr-defined]
+
+    def parameters_for_calc_gnorm(self) -> list[ParamsInfo]:
+        """nnScaler's per-reducer parameter groups for the gradient norm."""
+        import torch.distributed as dist
+
+        names = {id(p): n for n, p in self.named_parameters()}  # type: ignore[attr-defined]
+        out: list[ParamsInfo] = []
+        cfg = getattr(self, "compute_config", None)
+        ngroups = cfg.zero_ngroups if cfg is not None and cfg.use_zero else 1
+        covered: set[int] = set()
+        for red in self.reducers:
+            ranks = tuple(dist.get_process_group_ranks(red.group))
+            opt_params = [piece.param for piece in red.pieces] if red.zero else list(red.params)
+            out.append(ParamsInfo(ranks, opt_params, [names[id(p)] for p in red.params], ngroups))
+            covered.update(id(p) for p in red.params)
+        me = (dist.get_rank(),) if dist.is_initialized() else (0,)
+        for p in self.parameters():  # type: ignore[attr-defined]
+            if id(p) not in covered:
+                out.append(ParamsInfo(me, [p], [names[id(p)]], 1))
+        return out
+
+    # ---- nnScaler's per-rank checkpoint files -----------------------------------------------------------
+
+    def get_checkpoint(self, optimizer: torch.optim.Optimizer | None = None) -> tuple[Any, Any, Any, Any]:
+        """(state dict, dist_param_map, param_area_map, optimizer state dict) of this rank."""
+        area = {name: info.to_meta() for name, info in self.fullmap.items()}  # type: ignore[attr-defined]
+        opt = optimizer.state_dict() if optimizer is not None else None
+        return self.state_dict(), self.dist_param_map, area, opt  # type: ignore[attr-defined]
+
+    def save_checkpoint(
+        self, optimizer: torch.optim.Optimizer | None = None, filename_prefix: str | None = None
+    ) -> str:
+        """Write this rank's checkpoint to `{filename_prefix}-{rank}.ckpt` (atomically); returns the path."""
+        prefix = "dist_checkpoint" if filename_prefix is None else filename_prefix
+        state, dist_map, area, opt = self.get_checkpoint(optimizer)
+        path = f"{prefix}-{self.rank}.ckpt"  # type: ignore[attr-defined]
+        _save(
+            {
+                "state_dict": state,
+                "dist_param_map": dist_map,
+                "param_area_map": area,
+                "optim_state_dict": opt,
+            },
+            path,
+        )
+        return path
+
+    @staticmethod
+    def merge_checkpoints(filename_prefix: str = "dist_checkpoint") -> str:
+        """Merge the `{filename_prefix}-{rank}.ckpt` files of every rank into `{filename_prefix}.full.ckpt`
+        (single-device model and optimizer state dicts); returns its path."""
+        from nnscaler.runtime.checkpoint_merge import merge_state_dicts
+
+        pattern = re.compile(re.escape(os.path.basename(filename_prefix)) + r"-(\d+)\.ckpt$")
+        files = sorted(
+            (int(m.group(1)), f)
+            for f in glob.glob(f"{glob.escape(filename_prefix)}-*.ckpt")
+            if (m := pattern.search(os.path.basename(f)))
+        )
+        if not files:
+            raise FileNotFoundError(f"merge_checkpoints: no {filename_prefix}-<rank>.ckpt files")
+        ckpts = [torch.load(f, map_location="cpu", weights_only=True) for _, f in files]
+        opts = [c["optim_state_dict"] for c in ckpts]
+        model, opt = merge_state_dicts(
+            [c["state_dict"] for c in ckpts], opts if all(o is not None for o in opts) else None
+        )
+        path = f"{filename_prefix}.full.ckpt"
+        _save({"state_dict": model, "optim_state_dict": opt}, path)
+        return path

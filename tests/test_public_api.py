@@ -1,0 +1,178 @@
+"""The public surface: nnScaler 0.8's names and parameters are all here (users switch without edits),
+and every public signature is recorded in tests/golden/public_api.txt, so a change to one is a
+deliberate edit of that file (as torchtitan guards its CLI), never an accident.
+
+Regenerate the record after an intended change: `python -m tests.test_public_api`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+
+import nnscaler
+from nnscaler import ComputeConfig, ParallelModule
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "public_api.txt")
+
+NNSCALER_0_8 = {
+    # name -> the parameters nnScaler 0.8 users pass, in order (positional first, then keyword-only)
+    "parallelize": [
+        "module_or_module_class",
+        "dummy_forward_args",
+        "pas_policy",
+        "compute_config",
+        "gen_savedir",
+        "reuse",
+        "instance_name",
+        "load_module",
+        "module_dtype",
+        "module_fn",
+        "init_module_params",
+        "broadcast_strategy",
+    ],
+    "build_optimizer": ["module", "optimizer_fn", "compute_config"],
+    "merge_state_dicts": ["module_state_dicts", "optimizer_state_dicts"],
+    "load_merged_state_dict": ["module", "module_state_dict", "optimizer", "optimizer_state_dict", "device"],
+    "deduped_state_dict": ["module", "optimizer"],
+    "load_deduped_state_dict": ["module", "module_state_dict", "optimizer", "optimizer_state_dict", "device"],
+    "load_sharded_state_dict": ["module", "module_state_dict", "optimizer", "optimizer_state_dict", "device"],
+    "broadcast_weights": ["module", "stride_size"],
+    "sync_grad_when": ["cond"],
+    "register_op": ["annotation", "name", "code_impl_pattern", "emit_fn", "transform_rules", "input_gen_fn"],
+    "anchor": ["name"],
+    "constant_folding": ["constant_folding"],
+    "no_constant_folding": [],
+    "fold_constant": ["a"],
+    "init": [],
+    "uninit": [],
+}
+NNSCALER_0_8_CLASSES = ["ParallelModule", "ComputeConfig", "ReuseType", "BroadcastGenFilesStrategy"]
+PARALLEL_MODULE_MEMBERS = [
+    "forward",
+    "train_step",
+    "infer_step",
+    "sync_grad",
+    "clip_gnorm",
+    "zero_grad",
+    "parameters_for_optimizer",
+    "parameters_for_broadcast",
+    "parameters_for_calc_gnorm",
+    "gather_params",
+    "reducers",
+    "fullmap",
+    "dist_param_map",
+    "compute_config",
+    "load_merged_state_dict",
+    "state_dict",
+    "load_state_dict",
+    "get_checkpoint",
+    "save_checkpoint",
+    "merge_checkpoints",
+    "rank",
+    "use_scheduler",
+    "nmicros_per_scheduler_step",
+]
+COMPUTE_CONFIG_FIELDS = [  # nnScaler's, in its order (tests construct ComputeConfig(2, 4))
+    "plan_ngpus",
+    "runtime_ngpus",
+    "constant_folding",
+    "trace_strategy",
+    "use_zero",
+    "zero_ngroups",
+    "zero_use_reduce_scatter",
+    "inference_only",
+    "use_end2end",
+    "use_async_reducer",
+    "reducer_bucket_cap_mb",
+    "pas_config",
+    "user_config",
+]
+COMPUTE_CONFIG_MEMBERS = [
+    "gpu_config",
+    "graph_config",
+    "module_dedup_group_size",
+    "optimizer_dedup_group_size",
+    "max_bucket_size_bytes",
+    "get_sync_group",
+    "safe_dump_to_file",
+    "safe_load_from_file",
+    "safe_equals",
+]
+
+
+def test_nnscaler_names_and_parameters() -> None:
+    for name, params in NNSCALER_0_8.items():
+        assert name in nnscaler.__all__, f"nnscaler.{name} is missing"
+        got = list(inspect.signature(getattr(nnscaler, name)).parameters)
+        assert got[: len(params)] == params or all(p in got for p in params), (name, got)
+        positional = [
+            p.name
+            for p in inspect.signature(getattr(nnscaler, name)).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        # what nnScaler accepts positionally is accepted positionally here, in the same order
+        want = [p for p in params if p in positional]
+        assert positional[: len(want)] == want, (
+            f"{name}: positional parameters {positional}, nnScaler {params}"
+        )
+    for name in NNSCALER_0_8_CLASSES:
+        assert name in nnscaler.__all__
+    module = ParallelModule(rank=0, world_size=1, plan_ngpus=1, groups={}, all_groups=[])
+    for member in PARALLEL_MODULE_MEMBERS:
+        assert hasattr(module, member), f"ParallelModule.{member} is missing"
+    fields = list(ComputeConfig.__dataclass_fields__)
+    assert fields[: len(COMPUTE_CONFIG_FIELDS)] == COMPUTE_CONFIG_FIELDS
+    for member in COMPUTE_CONFIG_MEMBERS:
+        assert hasattr(ComputeConfig, member), f"ComputeConfig.{member} is missing"
+
+
+def _describe(obj: object) -> str:
+    try:
+        return str(inspect.signature(obj))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return "<no signature>"
+
+
+def public_signatures() -> str:
+    """One line per public name (and per public member of the public classes)."""
+    lines = []
+    for name in sorted(nnscaler.__all__):
+        obj = getattr(nnscaler, name)
+        if name == "__version__":
+            continue
+        lines.append(f"nnscaler.{name}{_describe(obj)}")
+        if inspect.isclass(obj) and obj.__module__.startswith("nnscaler"):
+            for member, value in sorted(vars(obj).items()):
+                if member.startswith("_"):
+                    continue
+                if callable(value) or isinstance(value, (property, classmethod, staticmethod)):
+                    target = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+                    sig = "<property>" if isinstance(value, property) else _describe(target)
+                    lines.append(f"nnscaler.{name}.{member}{sig}")
+    fields = ", ".join(f"{f.name}: {f.type}" for f in ComputeConfig.__dataclass_fields__.values())
+    lines.append(f"nnscaler.ComputeConfig fields ({fields})")
+    return "\n".join(lines) + "\n"
+
+
+def test_public_signatures_are_recorded() -> None:
+    with open(GOLDEN) as f:
+        recorded = f.read()
+    now = public_signatures()
+    if now != recorded:
+        import difflib
+
+        diff = "".join(
+            difflib.unified_diff(recorded.splitlines(True), now.splitlines(True), "recorded", "now")
+        )
+        raise AssertionError(
+            "the public API changed; if intended, regenerate tests/golden/public_api.txt with "
+            f"`python -m tests.test_public_api` and say so in the change:\n{diff}"
+        )
+
+
+if __name__ == "__main__":
+    with open(GOLDEN, "w") as f:
+        f.write(public_signatures())
+    print(f"wrote {GOLDEN}", file=sys.stderr)
