@@ -70,6 +70,10 @@ class ComputeConfig:
     zero_stage: int = field(default=1, kw_only=True)
     """ZeRO stage when use_zero: 1 shards optimizer state, 2 also gradients (reduce-scatter, overlapped),
     3 also parameters (each block all-gathered just in time in forward and backward, prefetched)."""
+    dp_grad_reduction: str = field(default="mean", kw_only=True)
+    """How gradients combine across data-parallel replicas: 'mean' (as torch DDP / FSDP) or 'sum'
+    (nnScaler 0.8's convention, which leaves the scaling to its Trainer: set it when porting a training
+    loop that scales gradients itself)."""
     reducer_bucket_autotune: bool = field(default=False, kw_only=True)
     """Try several gradient bucket sizes over the first steps and keep the fastest (Horovod's autotune;
     nnscaler.runtime.autotune); overrides `reducer_bucket_cap_mb`. Not with ZeRO."""
@@ -121,6 +125,10 @@ class ComputeConfig:
             raise ConfigError(
                 "ComputeConfig.zero_stage must be 1 (shard optimizer state), 2 (also gradients) or 3 (also "
                 f"parameters), got {self.zero_stage!r}"
+            )
+        if self.dp_grad_reduction not in ("mean", "sum"):
+            raise ConfigError(
+                f"ComputeConfig.dp_grad_reduction must be 'mean' or 'sum', got {self.dp_grad_reduction!r}"
             )
         if self.reducer_bucket_autotune and self.use_zero:
             raise ConfigError(

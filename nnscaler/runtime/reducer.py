@@ -163,7 +163,7 @@ class Reducer:
                 data[key][o : o + size] if data else None,
                 index,
                 nshards,
-                self.dp_size,
+                self.grad_divisor,
                 grad_dtype=wide(key[0]),
             )
             if self.zero:
@@ -201,6 +201,9 @@ class Reducer:
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.dp_size = dist.get_world_size(group)
+        self.grad_divisor = self.dp_size
+        """Gradients are divided by this before they are summed over the replicas: the data-parallel size
+        (a mean), or 1 (a sum, nnScaler's convention: `ComputeConfig.dp_grad_reduction='sum'`)."""
         self.zero_group = zero_group
         self.cross_group = cross_group
         self.zero = zero_group is not None
@@ -220,6 +223,12 @@ class Reducer:
         self._queue: list[Bucket] = []
         """Buckets launched and not yet taken in, in launch order."""
         self._hooks: list[Any] = []
+
+    def set_grad_divisor(self, divisor: int) -> None:
+        """Divide gradients by `divisor` before summing them over the replicas (1: nnScaler's sum)."""
+        self.grad_divisor = divisor
+        for bucket in self.buckets:
+            bucket.divisor = divisor
 
     # ---- backward ------------------------------------------------------------------------------------
 
@@ -429,12 +438,13 @@ def build_reducer(
                 "(stage 3 is built by ParallelModule with nnscaler.runtime.zero3.build_zero3)"
             )
         zero_group, cross_group = zero_process_groups(rank, world_size, plan_ngpus, config.zero_ngroups)
+    summed = getattr(config, "dp_grad_reduction", "mean") == "sum"
     cap = bucket_cap_mb if bucket_cap_mb is not None else getattr(config, "reducer_bucket_cap_mb", None)
     cap = DEFAULT_BUCKET_CAP_MB if cap is None else cap
     hierarchy = None
     if zero_group is None:
         hierarchy = build_hierarchy(rank, world_size, plan_ngpus, config, bucket_bytes=cap * 2**20)
-    return Reducer(
+    reducer = Reducer(
         params,
         dp_group,
         bucket_cap_mb=cap,
@@ -447,6 +457,9 @@ def build_reducer(
         deferred=deferred,
         hierarchy=hierarchy,
     )
+    if summed:
+        reducer.set_grad_divisor(1)
+    return reducer
 
 
 def zero_process_groups(

@@ -135,7 +135,7 @@ class Zero3Reducer(Reducer):
             if not flat.requires_grad:
                 continue
             bucket = Bucket(
-                flat.params, flat.size, None, None, index, nshards, self.dp_size, wide(flat.dtype)
+                flat.params, flat.size, None, None, index, nshards, self.grad_divisor, wide(flat.dtype)
             )
             flat.bucket = bucket
             self.buckets.append(bucket)
@@ -447,24 +447,29 @@ def build_zero3(module: Any) -> Reducer | None:
         module.rank, module.world_size, module.plan_ngpus, config.zero_ngroups
     )
     grad_dtype = torch.float32 if getattr(config, "reduce_grads_in_fp32", False) else None
+    reducer: Reducer
     if zero_group is None:
         cap = config.reducer_bucket_cap_mb
-        return Reducer(
+        reducer = Reducer(
             [p for _, _, p in named],
             dp_group,
             bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if cap is None else cap,
             async_op=config.use_async_reducer,
             grad_dtype=grad_dtype,
         )
-    zero_ranks = dist.get_process_group_ranks(zero_group)
-    every, _ = ParallelDims(module.plan_ngpus, module.world_size, config.zero_ngroups).all_zero_groups()
-    create_twin_groups(every, "zero3-gather")
-    return Zero3Reducer(
-        named,
-        dp_group,
-        zero_group,
-        cross_group,
-        grad_dtype=grad_dtype,
-        gather_group=get_twin_group(zero_ranks, "zero3-gather"),
-        prefetch=getattr(config, "zero3_prefetch_blocks", 1),
-    )
+    else:
+        zero_ranks = dist.get_process_group_ranks(zero_group)
+        every, _ = ParallelDims(module.plan_ngpus, module.world_size, config.zero_ngroups).all_zero_groups()
+        create_twin_groups(every, "zero3-gather")
+        reducer = Zero3Reducer(
+            named,
+            dp_group,
+            zero_group,
+            cross_group,
+            grad_dtype=grad_dtype,
+            gather_group=get_twin_group(zero_ranks, "zero3-gather"),
+            prefetch=getattr(config, "zero3_prefetch_blocks", 1),
+        )
+    if getattr(config, "dp_grad_reduction", "mean") == "sum":
+        reducer.set_grad_divisor(1)
+    return reducer

@@ -85,3 +85,31 @@ def test_markers_and_register_op_arguments() -> None:
         nnscaler.register_op("* h -> * h", emit_fn=lambda *a: "")
     with pytest.raises(TypeError, match="annotation must be a string"):
         nnscaler.register_op(lambda *a: "* h -> * h")
+
+
+def summed_worker(rank: int, world: int) -> None:
+    """dp_grad_reduction='sum' (nnScaler's convention): the replicas' gradients add up, with the
+    plain reducer, ZeRO 1 and ZeRO 3; 'mean' (ours, the default) is that sum over the replica count."""
+    from nnscaler.runtime.reducer import param_grad
+
+    ref, full, x, t = _setup()
+    rows = _rows(rank, world, 1)
+    ref(x, t).backward()  # the mean over the whole batch = the mean of the replicas' means
+    for extra in ({}, {"use_zero": True}, {"use_zero": True, "zero_stage": 3}):
+        pm = _gen(rank, world, 1, ComputeConfig(1, world, dp_grad_reduction="sum", **extra), full)
+        pm(x[rows], t[rows]).backward()
+        pm.sync_grad()
+        if not extra:
+            scaled = {n: p.grad * world for n, p in ref.named_parameters() if p.grad is not None}
+            for local, info in pm.fullmap.items():
+                if info.is_param and info.original_name in scaled:
+                    torch.testing.assert_close(param_grad(getattr(pm, local)), scaled[info.original_name])
+        norm = pm.clip_gnorm(None)[0]
+        want = nn.utils.clip_grad_norm_(ref.parameters(), float("inf")) * world
+        torch.testing.assert_close(norm, want, rtol=1e-5, atol=1e-6, msg=f"{extra}: summed gradient norm")
+
+
+def test_dp_grad_reduction_sum() -> None:
+    run_dist(summed_worker, 2)
+    with pytest.raises(Exception, match="dp_grad_reduction must be 'mean' or 'sum'"):
+        ComputeConfig(1, 2, dp_grad_reduction="avg")
