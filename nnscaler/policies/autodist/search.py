@@ -145,7 +145,7 @@ def _spmd_candidate(graph: Graph, setup: PlannerSetup, layer_paths: tuple[str, .
         except PlanError as exc:
             error = exc
             continue
-        factor = 4.0 / 3.0 if rc else 1.0
+        factor = 4.0 / 3.0 if paths else 1.0  # recomputed modules run their forward twice
         step = res.time * m * factor + res.sync
         return Candidate(1, setup.plan_ngpus, m, rc, step, res.memory, res, recompute_paths=paths)
     raise error
@@ -211,7 +211,7 @@ def _score_pipeline(graph, setup, res, ctx, pp, rc, limit, seg_starts, layer_pat
         seg_sync.append(sum(res.node_sync[n] for n in names))
         seg_in.append(_segment_input(graph, ctx, bounds[k]))
     own_rc = rc and not setup.recompute
-    times = [t * 4.0 / 3.0 for t in seg_time] if own_rc else seg_time
+    times = [t * 4.0 / 3.0 for t in seg_time] if (own_rc or setup.recompute) else seg_time
     acts = seg_in if own_rc else seg_act
     out = []
     for m in [setup.nmicros] if setup.nmicros else [pp, 2 * pp, 4 * pp]:
