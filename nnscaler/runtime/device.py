@@ -20,10 +20,16 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def init(timeout: datetime.timedelta | float | None = None) -> None:
+BACKEND_ENV = "NNSCALER_BACKEND"
+"""Environment variable: the process-group backend `init` starts ('nccl' or 'gloo')."""
+
+
+def init(timeout: datetime.timedelta | float | None = None, backend: str | None = None) -> None:
     """Start the default process group when running under torchrun ($RANK and $WORLD_SIZE set).
 
-    NCCL when CUDA is available, gloo otherwise. Under NCCL the process's CUDA device (see
+    `backend` ('nccl' or 'gloo'; default $NNSCALER_BACKEND, else NCCL when CUDA is available and gloo
+    otherwise): 'gloo' on a GPU machine runs everything on the CPU, e.g. a 4-process CPU demo on a
+    machine with fewer GPUs than processes. Under NCCL the process's CUDA device (see
     `local_cuda_index`) is made current and given to the process group as `device_id`, so NCCL binds
     its communicators to it at once and object collectives run on it.
     `timeout` (a timedelta or seconds; default $NNSCALER_TIMEOUT seconds, else 10 minutes) bounds
@@ -32,6 +38,16 @@ def init(timeout: datetime.timedelta | float | None = None) -> None:
     Idempotent: does nothing when a process group already exists or when not under torchrun.
     """
     wait = collective_timeout(timeout)  # validated even when there is nothing to start
+    backend = (
+        backend or os.environ.get(BACKEND_ENV) or ("nccl" if torch.cuda.is_available() else "gloo")
+    ).lower()
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"nnscaler.init(backend={backend!r}) (or ${BACKEND_ENV}): use 'nccl' or 'gloo'")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"nnscaler.init: backend 'nccl' needs CUDA, which this machine lacks: use backend='gloo' "
+            f"(or unset ${BACKEND_ENV})"
+        )
     timeline.start_from_env()  # $NNSCALER_TIMELINE: record every collective and P2P op
     if is_initialized() and timeout is not None:
         warnings.warn(
@@ -43,7 +59,7 @@ def init(timeout: datetime.timedelta | float | None = None) -> None:
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return
-    if torch.cuda.is_available():
+    if backend == "nccl":
         device = torch.device("cuda", local_cuda_index())
         torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl", timeout=wait, device_id=device)

@@ -68,3 +68,26 @@ def test_gloo_binds_nothing(cuda, monkeypatch):
     monkeypatch.setattr(dev, "_uses_nccl", lambda: False)
     dev.bind_cuda_device()
     assert cuda["set"] == [] and dev.runtime_device() == torch.device("cpu")
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_gloo_on_a_gpu_machine_stays_on_the_cpu(cuda, monkeypatch, how):
+    """init(backend='gloo') / $NNSCALER_BACKEND=gloo: a CPU run (e.g. the 4-process demo) on a machine
+    with GPUs; no device is bound."""
+    if how == "argument":
+        dev.init(backend="gloo")
+    else:
+        monkeypatch.setenv(dev.BACKEND_ENV, "gloo")
+        dev.init()
+    (kwargs,) = cuda["init"]
+    assert kwargs["backend"] == "gloo" and "device_id" not in kwargs
+    assert cuda["set"] == []
+
+
+def test_bad_backends_are_named(cuda, monkeypatch):
+    with pytest.raises(ValueError, match=r"backend='mpi'.*'nccl' or 'gloo'"):
+        dev.init(backend="mpi")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="backend 'nccl' needs CUDA.*backend='gloo'"):
+        dev.init(backend="nccl")
+    assert cuda["init"] == []
