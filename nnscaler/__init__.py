@@ -4,6 +4,7 @@ from nnscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
 from nnscaler.errors import CodegenError, ConfigError, PartitionError, PlanError, TraceError
 from nnscaler.graph.capture.markers import anchor, constant_folding, fold_constant, no_constant_folding
 from nnscaler.graph.ops import register_op
+from nnscaler.logs import configure_from_env as _configure_logging
 from nnscaler.parallel import parallelize
 from nnscaler.runtime import (
     ParallelModule,
@@ -19,6 +20,8 @@ from nnscaler.runtime import (
 )
 from nnscaler.runtime.sync_flags import sync_grad_when
 from nnscaler.version import __version__
+
+_configure_logging()  # $NNSCALER_LOG=info: what the compiler does, phase by phase
 
 __all__ = [
     "__version__",

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,6 +31,9 @@ class CompileResult:
     outdir: Path
     graph: Graph
     seconds: dict[str, float] = field(default_factory=dict)
+
+
+_log = logging.getLogger(__name__)
 
 
 def _save_constants(outdir: Path, graph: Graph) -> None:
@@ -101,4 +106,19 @@ def compile_module(
         write_atomic(outdir / f"gencode{rank}.py", src)
     write_atomic(outdir / "compute_config.json", json.dumps(cfg.to_dict(), indent=2, default=str))
     seconds["codegen"] = time.perf_counter() - t0
+    _log.info(
+        "compiled %s: %s; capture %.2fs, plan %.2fs, partition %.2fs, codegen %.2fs",
+        graph.module_class,
+        _plan_summary(plan, cfg),
+        *(seconds[k] for k in ("capture", "plan", "partition", "codegen")),
+    )
+    _log.info("generated code: %s", outdir / f"gencode{{0..{cfg.runtime_ngpus - 1}}}.py")
     return CompileResult(outdir, graph, seconds)
+
+
+def _plan_summary(plan: Any, cfg: ComputeConfig) -> str:
+    stages = f", {plan.pipeline.nstages} pipeline stages" if getattr(plan, "pipeline", None) else ""
+    return (
+        f"policy {plan.policy!r} over plan_ngpus={cfg.plan_ngpus}{stages}, "
+        f"{cfg.runtime_ngpus // cfg.plan_ngpus} data-parallel replica(s)"
+    )

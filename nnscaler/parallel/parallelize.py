@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 import types
@@ -35,6 +36,8 @@ from nnscaler.runtime.replicas import load_initial_weights, validate_init_params
 from nnscaler.runtime.store_sync import next_key, publish_outcome, wait_outcome
 from nnscaler.runtime.timeouts import compile_timeout
 from nnscaler.version import __version__
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["parallelize", "load_generated_class"]
 
@@ -306,6 +309,8 @@ def _generate(
                 graph=graph,
             )
             finish_generation(outdir, fp, cfg)  # the fingerprint, last
+        else:
+            _log.info("reusing the code generated in %s (reuse=%r)", outdir, ReuseType(reuse).value)
         has_storage = not any(p.is_meta for p in module.parameters())
         if save_weights and has_storage and (generate or not (outdir / WEIGHTS_FILE).exists()):
             _save_weights(outdir, module)
