@@ -57,7 +57,7 @@ def rng_states() -> dict[str, Any]:
     states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
-    states["shard"] = {key: gen.get_state() for key, gen in _shard_rng._GENERATORS.items()}
+    states["shard"] = _shard_rng.shard_rng_states()
     return states
 
 
@@ -67,6 +67,4 @@ def set_rng_states(states: dict[str, Any]) -> None:
     random.setstate(states["random"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
-    for (device, rank), state in states.get("shard", {}).items():
-        gen = _shard_rng._GENERATORS.setdefault((device, rank), torch.Generator(device=torch.device(device)))
-        gen.set_state(state)
+    _shard_rng.set_shard_rng_states(states.get("shard", {}))

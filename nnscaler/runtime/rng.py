@@ -16,7 +16,14 @@ import torch
 
 from nnscaler.runtime.comm import Group, rank_in_group
 
-__all__ = ["sharded_dropout", "shard_generator", "shard_rng", "recompute_contexts"]
+__all__ = [
+    "sharded_dropout",
+    "shard_generator",
+    "shard_rng",
+    "recompute_contexts",
+    "shard_rng_states",
+    "set_shard_rng_states",
+]
 
 _GENERATORS: dict[tuple[str, int], torch.Generator] = {}
 _OFFSET = 2718  # keeps the shard streams apart from the default stream's seed
@@ -31,6 +38,18 @@ def shard_generator(device: torch.device, group: Group) -> torch.Generator:
         gen.manual_seed((torch.initial_seed() + _OFFSET + 1009 * (rank + 1)) % (2**63))
         _GENERATORS[key] = gen
     return _GENERATORS[key]
+
+
+def shard_rng_states() -> dict[tuple[str, int], torch.Tensor]:
+    """The state of every shard generator made so far, for checkpoints (resume draws the same masks)."""
+    return {key: gen.get_state() for key, gen in _GENERATORS.items()}
+
+
+def set_shard_rng_states(states: dict[tuple[str, int], torch.Tensor]) -> None:
+    """Restore `shard_rng_states()` (generators not made yet are made with that state)."""
+    for (device, rank), state in states.items():
+        gen = _GENERATORS.setdefault((device, rank), torch.Generator(device=torch.device(device)))
+        gen.set_state(state)
 
 
 def sharded_dropout(x: torch.Tensor, p: float, training: bool, group: Group) -> torch.Tensor:
