@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from tests import zoo
 from tests.dist_util import DEFAULT_TIMEOUT, spawn
 
-__all__ = ["run_parity", "train_parallel", "train_reference", "compare"]
+__all__ = ["run_parity", "run_parity_many", "ParityCase", "train_parallel", "train_reference", "compare"]
 
 SEED = 0
 """Seed of the model weights, in every process."""
@@ -414,4 +415,80 @@ def run_parity(
     label = f"{model_name} / {policy_name} / ComputeConfig({plan_ngpus}, {runtime_ngpus}{extra})"
     param_atol = max(atol, ADAMW_PARAM_ATOL) if optimizer == "adamw" else atol
     compare(results, ref_losses, ref_model, rtol=rtol, atol=atol, label=label, param_atol=param_atol)
+    return results
+
+
+@dataclass(frozen=True)
+class ParityCase:
+    """One parity run of `run_parity_many`: a zoo model under `policy` on `plan_ngpus` devices."""
+
+    model_name: str
+    policy: Any
+    plan_ngpus: int
+    config_kwargs: dict[str, Any] = field(default_factory=dict)
+    nmicros: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.model_name} / {self.policy} / plan_ngpus={self.plan_ngpus} {self.config_kwargs}"
+
+
+def _train_cases(rank: int, world_size: int, cases: list[ParityCase], steps: int, root: str) -> list:
+    """Every case's `train_parallel` in turn, in one process per rank (one start-up for them all)."""
+    out = []
+    for k, case in enumerate(cases):
+        try:
+            out.append(
+                train_parallel(
+                    rank,
+                    world_size,
+                    case.model_name,
+                    case.policy,
+                    case.plan_ngpus,
+                    steps,
+                    4,
+                    f"{root}/case{k}",
+                    config_kwargs=case.config_kwargs,
+                    nmicros=case.nmicros,
+                )
+            )
+        except Exception as exc:
+            raise RuntimeError(f"parity case {case.label} failed on rank {rank}: {exc}") from exc
+    return out
+
+
+def run_parity_many(
+    cases: list[ParityCase],
+    runtime_ngpus: int,
+    *,
+    tmp_path: str | os.PathLike,
+    steps: int = 2,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> list[list[dict[str, Any]]]:
+    """`run_parity` for several cases on the same `runtime_ngpus` processes, started once (AdamW,
+    batch 4, the default tolerances). Every case is compared; the assertion lists each one that
+    differs. Returns the per-rank results of each case, in order."""
+    root = Path(tmp_path) / "gen"
+    per_rank = spawn(_train_cases, runtime_ngpus, tmp_path, cases, steps, str(root), timeout=timeout)
+    atol = OPTIMIZERS["adamw"][2]
+    failures, results = [], []
+    for k, case in enumerate(cases):
+        case_results = [r[k] for r in per_rank]
+        results.append(case_results)
+        ref_losses, ref_model = train_reference(
+            case.model_name, runtime_ngpus // case.plan_ngpus, steps, 4, nmicros=case.nmicros
+        )
+        try:
+            compare(
+                case_results,
+                ref_losses,
+                ref_model,
+                rtol=1e-5,
+                atol=atol,
+                label=case.label,
+                param_atol=ADAMW_PARAM_ATOL,
+            )
+        except AssertionError as exc:
+            failures.append(str(exc))
+    assert not failures, f"{len(failures)} of {len(cases)} cases differ:\n" + "\n\n".join(failures)
     return results

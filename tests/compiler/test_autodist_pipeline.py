@@ -108,3 +108,20 @@ def test_pipelines_need_end2end(zoo_graphs):
     )
     with pytest.raises(PlanError, match="autodist"):
         make_plan(graph, "autodist", cfg)
+
+
+def test_stage_count_without_repeated_layers_names_the_fix(zoo_graphs):
+    """An MLP of three differently shaped linears has no layer list: say so and name pipeline_pivots."""
+    graph = zoo_graphs["mlp"][0]
+    with pytest.raises(PlanError, match=r"pipeline_nstages=2 needs at least 2 layers.*pipeline_pivots"):
+        make_plan(graph, "autodist", _e2e(pipeline_nstages=2, pipeline_nmicros=2))
+    plan = make_plan(
+        graph, "autodist", _e2e(pipeline_nstages=2, pipeline_nmicros=2, pipeline_pivots="Linear")
+    )
+    assert plan.pipeline is not None and plan.pipeline.nstages == 2
+
+
+def test_pivots_that_match_nothing_are_an_error(zoo_graphs):
+    graph = zoo_graphs["llama"][0]
+    with pytest.raises(PlanError, match="LlamaDecoderLayr.*match no module"):
+        make_plan(graph, "autodist", _e2e(pipeline_pivots="LlamaDecoderLayr"))

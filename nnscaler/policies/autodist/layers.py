@@ -32,11 +32,15 @@ def layer_instances(
     graph: Graph, pivots: tuple[str, ...] | None = None
 ) -> tuple[tuple[str, ...], list[tuple[str, list[int]]]]:
     """The pivot classes and every instance's (path, node indices); ((), []) when none are found."""
-    try:
-        pivots = tuple(pivots) if pivots else default_pivots(graph)
+    if pivots:  # the user's pivots: a name that matches nothing is their mistake, said as such
+        pivots = tuple(pivots)
         starts = pivot_starts(graph, pivots)
-    except PlanError:
-        return (), []
+    else:
+        try:
+            pivots = default_pivots(graph)
+        except PlanError:  # no repeated layers: nothing to fold, no pipeline boundaries
+            return (), []
+        starts = pivot_starts(graph, pivots)
     out = []
     for _, path in starts:
         idx = [

@@ -285,6 +285,14 @@ def search(graph: Graph, setup: PlannerSetup) -> tuple[Candidate, list[Candidate
             scored.append(_spmd_candidate(graph, setup, layer_paths))
         except PlanError as exc:
             errors.append(str(exc))
+    if setup.nstages not in (None, 1) and len(instances) < setup.nstages:
+        raise PlanError(
+            f"autodist: pipeline_nstages={setup.nstages} needs at least {setup.nstages} layers to start "
+            f"stages at, but the model has {len(instances)} instance(s) of pivot class(es) "
+            f"{list(pivots) or 'none found'}; set pas_config['pipeline_pivots'] to the class name of "
+            "modules that follow one another in forward (e.g. 'LlamaDecoderLayer', or 'Linear' for a "
+            "plain stack of linears), or drop pipeline_nstages"
+        )
     if setup.end2end and setup.training and setup.nstages != 1 and len(instances) > 1:
         scored.extend(_pipeline_candidates(graph, setup, instances, layer_paths))
     if not scored:
