@@ -40,3 +40,53 @@ def test_profile_and_use_measured_times(zoo_graphs, tmp_path):
         ComputeConfig(2, 2, pas_config={"cluster": "cpu_gloo", "profile_db_path": str(path)}),
     )
     assert plan.policy == "autodist"
+
+
+def test_database_carries_links_and_step_overhead(zoo_graphs, tmp_path):
+    """Measured links replace the cluster file's; the harness overhead leaves the entries and is
+    charged once per micro-batch instead."""
+    graph = zoo_graphs["mlp"][0]
+    db = profile_graph(graph, ways=(1,), repeats=1)
+    assert db.step_overhead_s > 0
+    db.links["intra_node"] = {"bandwidth_gbs": 0.5, "latency_us": 700.0}
+    path = db.save(tmp_path / "ops.json")
+    again = ProfileDB.load(path)
+    assert again.links == db.links and again.step_overhead_s == db.step_overhead_s
+    cfg = ComputeConfig(1, 2, pas_config={"cluster": "cpu_gloo", "profile_db_path": str(path)})
+    setup = planner_setup(graph, cfg)
+    assert (setup.cluster.intra_node.bandwidth_gbs, setup.cluster.intra_node.latency_us) == (0.5, 700.0)
+    assert setup.step_overhead == db.step_overhead_s
+    plain = planner_setup(graph, ComputeConfig(1, 2, pas_config={"cluster": "cpu_gloo"}))
+    from nnscaler.policies.autodist.search import fixed_costs
+
+    with_db = fixed_costs(graph, setup, _ctx(setup, 1), nmicros=4)
+    # 4 micro-batches' overhead + one bucket's all-reduce latency (2 steps of 700 us for 2 replicas)
+    assert abs(with_db - (4 * db.step_overhead_s + 2 * 700e-6)) < 1e-8  # (and one byte on the wire)
+    assert abs(fixed_costs(graph, plain, _ctx(plain, 1), nmicros=4) - 2 * 50e-6) < 1e-8  # cpu_gloo: 50 us
+
+
+def test_fit_link_recovers_alpha_and_beta():
+    from nnscaler.policies.autodist.cluster import LinkSpec
+    from nnscaler.policies.autodist.comm import ring_all_reduce
+    from nnscaler.policies.autodist.profiler import fit_link
+
+    truth = LinkSpec(bandwidth_gbs=2.0, latency_us=120.0)
+    samples = [(float(n), ring_all_reduce(n, 4, truth)) for n in (1e3, 1e5, 1e6, 4e6)]
+    fitted = fit_link(samples, 4)
+    assert abs(fitted.bandwidth_gbs - 2.0) < 1e-6 and abs(fitted.latency_us - 120.0) < 1e-6
+
+
+def test_profile_link_on_two_gloo_ranks(tmp_path):
+    from tests.dist_util import spawn
+
+    links = spawn(_link_rank, 2, tmp_path)
+    assert links[0] == links[1]  # every rank gets rank 0's fit
+    bw, lat = links[0]
+    assert bw > 0 and lat >= 0
+
+
+def _link_rank(rank: int, world_size: int) -> tuple[float, float]:
+    from nnscaler.policies.autodist.profiler import profile_link
+
+    link = profile_link(sizes=(1 << 10, 1 << 16), repeats=3)
+    return link.bandwidth_gbs, link.latency_us

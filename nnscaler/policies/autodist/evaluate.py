@@ -7,7 +7,7 @@ import math
 from nnscaler.graph.ir import Graph
 from nnscaler.policies.autodist.comm import send_recv
 from nnscaler.policies.autodist.layers import fold_layers
-from nnscaler.policies.autodist.search import Candidate, PlannerSetup, _ctx
+from nnscaler.policies.autodist.search import Candidate, PlannerSetup, _ctx, fixed_costs
 from nnscaler.policies.autodist.spmd import solve_spmd
 from nnscaler.policies.plan import REPLICATE, NodePlan, Plan
 
@@ -50,7 +50,7 @@ def evaluate_nodes(
             tp,
             nmicros,
             bool(recompute),
-            res.time * nmicros * factor + res.sync,
+            res.time * nmicros * factor + res.sync + fixed_costs(graph, setup, ctx, nmicros),
             res.memory,
             res,
             recompute_paths=recompute,
@@ -70,6 +70,7 @@ def evaluate_nodes(
     )
     p2p = 2 * (len(starts) - 1) * send_recv(hop / tp, 2, setup.cluster.link(2, tp))
     step = (nmicros + len(starts) - 1) * max(stage_times) + p2p + max(syncs)
+    step += fixed_costs(graph, setup, ctx, nmicros, len(starts))
     return Candidate(pp, tp, nmicros, bool(recompute), step, max(mems), res, starts, stage_times, recompute)
 
 

@@ -3,6 +3,7 @@ activations kept for backward (none inside recomputed modules), and transient bu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from nnscaler.policies.autodist.comm import all_gather, all_reduce, reduce_scatter
@@ -43,6 +44,23 @@ class MemoryModel:
         if self.zero_stage >= 3:
             weights /= dp
         return weights + grads + opt if ctx.training else weights
+
+    def grad_sync_latency(self, weight_bytes: float, ctx: CostContext, bucket_bytes: float) -> float:
+        """The latency part of the gradient sync, which grad_sync_time leaves out: one collective (or
+        two, three with ZeRO) per bucket of `bucket_bytes`, each paying its latency steps once."""
+        if not ctx.training or ctx.dp_size <= 1 or weight_bytes <= 0:
+            return 0.0
+        buckets = max(1, math.ceil(weight_bytes / max(bucket_bytes, 1.0)))
+        one_byte = 1.0  # the collectives' latency terms, without their bandwidth terms
+        if self.zero_stage >= 1:
+            per = reduce_scatter(one_byte, ctx.dp_size, ctx.dp_link) + all_gather(
+                one_byte, ctx.dp_size, ctx.dp_link
+            )
+            if self.zero_stage >= 3:
+                per += all_gather(one_byte, ctx.dp_size, ctx.dp_link)
+        else:
+            per = all_reduce(one_byte, ctx.dp_size, ctx.dp_link)
+        return buckets * per
 
     def grad_sync_time(self, weight_bytes: float, ctx: CostContext) -> float:
         """Seconds to synchronise `weight_bytes` of gradients across data-parallel replicas."""

@@ -8,7 +8,7 @@ from dataclasses import replace
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
-from nnscaler.policies.autodist.cluster import ClusterSpec, load_cluster
+from nnscaler.policies.autodist.cluster import ClusterSpec, LinkSpec, load_cluster
 from nnscaler.policies.autodist.constraints import PartitionConstraints, load_constraints
 from nnscaler.policies.autodist.cost import traced_batch_size
 from nnscaler.policies.autodist.memory import MemoryModel
@@ -18,6 +18,7 @@ from nnscaler.policies.options import AutodistOptions
 from nnscaler.policies.plan import NodePlan, PipelinePlan, Plan
 from nnscaler.policies.recompute import recompute_paths
 from nnscaler.policies.staging import parse_pivots
+from nnscaler.runtime.buckets import DEFAULT_BUCKET_CAP_MB
 
 __all__ = ["pas_autodist", "planner_setup", "plan_from_candidate", "default_cluster"]
 
@@ -42,6 +43,10 @@ def planner_setup(
     opts = opts or AutodistOptions.from_pas_config(cfg.pas_config, strict=False)
     if cluster is None:
         cluster = load_cluster(opts.cluster) if opts.cluster else default_cluster()
+    db = _profile_db(opts.profile_db_path)
+    if db is not None:  # measured links replace the cluster file's
+        links = {k: LinkSpec(v["bandwidth_gbs"], v["latency_us"]) for k, v in db.links.items()}
+        cluster = replace(cluster, **links)
     zero = opts.zero_stage if opts.zero_stage is not None else (cfg.zero_stage if cfg.use_zero else 0)
     if zero not in (0, 1, 2, 3):
         raise PlanError(f"pas_config['zero_stage'] must be 0, 1, 2 or 3, got {zero!r}")
@@ -75,11 +80,14 @@ def planner_setup(
         end2end=cfg.use_end2end,
         nstages=None if opts.pipeline_nstages == "auto" else opts.pipeline_nstages,
         nmicros=opts.pipeline_nmicros,
-        measured=_measured(opts.profile_db_path),
+        measured=db.entries if db is not None else None,
+        step_overhead=db.step_overhead_s if db is not None else 0.0,
+        bucket_bytes=(cfg.reducer_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) * 2**20,
     )
 
 
-def _measured(path: str | None) -> dict[str, float] | None:
+def _profile_db(path: str | None):
+    """The measured database at pas_config['profile_db_path'] (profiler.ProfileDB), or None."""
     if not path:
         return None
     from pathlib import Path
@@ -90,7 +98,14 @@ def _measured(path: str | None) -> dict[str, float] | None:
         raise PlanError(
             f"pas_config['profile_db_path'] = {path!r}: no such file (write one with profile_graph)"
         )
-    return ProfileDB.load(path).entries
+    db = ProfileDB.load(path)
+    unknown = sorted(set(db.links) - {"intra_node", "inter_node"})
+    if unknown:
+        raise PlanError(
+            f"pas_config['profile_db_path'] = {path!r}: links {unknown} are not cluster links "
+            "(use 'intra_node' or 'inter_node')"
+        )
+    return db
 
 
 def plan_from_candidate(graph: Graph, cand: Candidate, setup: PlannerSetup, scheduler: str = "1f1b") -> Plan:

@@ -7,6 +7,10 @@ one and the analytic roofline elsewhere (pas_config['profile_db_path']).
 
 Ops whose local code is not the op on local shards (views with shape arguments, specials) and ops
 that fail to run on random inputs are left to the analytic model.
+
+`profile_link()`, called on every rank of a live process group, times all-reduces of several sizes
+and fits the alpha-beta link of the cost model (comm.ring_all_reduce) to them; stored in the
+database (`db.links['intra_node']`), it replaces the cluster file's figure for that link.
 """
 
 from __future__ import annotations
@@ -22,29 +26,43 @@ import torch
 from nnscaler.graph.ir import Graph, Node, Ref, map_refs
 from nnscaler.graph.ops import annotate_node, get_rule, layouts_for
 from nnscaler.policies.autodist.choices import _local_shapes, _plans, op_key, tensor_refs
+from nnscaler.policies.autodist.cluster import LinkSpec
 from nnscaler.policies.autodist.cost import is_free_op
 
-__all__ = ["ProfileDB", "op_key", "local_shapes", "profile_graph"]
+__all__ = ["ProfileDB", "op_key", "local_shapes", "profile_graph", "profile_link", "fit_link"]
 
 
 @dataclass
 class ProfileDB:
-    """Seconds of forward + backward per op key, measured on `device`."""
+    """Seconds of forward + backward per op key, measured on `device`; measured links by cluster
+    field name ('intra_node' / 'inter_node': {bandwidth_gbs, latency_us})."""
 
     device: str = "cpu"
     entries: dict[str, float] = field(default_factory=dict)
+    links: dict[str, dict[str, float]] = field(default_factory=dict)
+    step_overhead_s: float = 0.0
+    """What timing one op alone costs besides the op (starting a backward pass, the loss): measured
+    once, taken out of every entry, and charged once per micro-batch instead."""
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
-        path.write_text(
-            json.dumps({"device": self.device, "entries": self.entries}, indent=1, sort_keys=True)
-        )
+        data = {
+            "device": self.device,
+            "entries": self.entries,
+            "links": self.links,
+            "step_overhead_s": self.step_overhead_s,
+        }
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)  # readers never see half a database
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> ProfileDB:
         data = json.loads(Path(path).read_text())
-        return cls(data.get("device", "cpu"), {k: float(v) for k, v in data["entries"].items()})
+        links = {k: {f: float(x) for f, x in v.items()} for k, v in data.get("links", {}).items()}
+        entries = {k: float(v) for k, v in data["entries"].items()}
+        return cls(data.get("device", "cpu"), entries, links, float(data.get("step_overhead_s", 0.0)))
 
 
 def local_shapes(graph: Graph, refs: list[str], layouts, ways: int) -> list[tuple[int, ...]]:
@@ -70,6 +88,18 @@ def _time_once(fn, args, kwargs, grads: list[torch.Tensor], repeats: int) -> flo
             loss.backward()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples[1:])
+
+
+_FLOOR_S = 1e-6
+"""Least time an entry keeps once the harness overhead is taken out (timing noise can exceed the op)."""
+
+
+def _harness_overhead(repeats: int) -> float:
+    """Seconds the timing harness adds around an op: the same harness around the cheapest op there
+    is (a one-element multiply), whose own cost is left in the entries' rounding."""
+    x = torch.ones(1, requires_grad=True)
+    fn = torch.ops.aten.mul.Tensor
+    return min(_time_once(fn, (x, 1.0), {}, [x], repeats * 3) for _ in range(3))
 
 
 def _measure(graph: Graph, node: Node, shapes: list[tuple[int, ...]], repeats: int) -> float | None:
@@ -98,6 +128,8 @@ def profile_graph(
 ) -> ProfileDB:
     """Measure every op of `graph` at the local shapes of each candidate split over each of `ways`."""
     db = db or ProfileDB("cuda" if torch.cuda.is_available() else "cpu")
+    if not db.step_overhead_s:
+        db.step_overhead_s = _harness_overhead(repeats)
     for node in graph.nodes:
         rule = get_rule(node.op)
         bound = annotate_node(node, graph)
@@ -120,5 +152,45 @@ def profile_graph(
                     continue
                 t = _measure(graph, node, shapes, repeats)
                 if t is not None:
-                    db.entries[key] = t
+                    db.entries[key] = max(t - db.step_overhead_s, _FLOOR_S)
     return db
+
+
+def fit_link(samples: list[tuple[float, float]], p: int) -> LinkSpec:
+    """The LinkSpec whose ring all-reduce time best fits (bytes, seconds) samples over `p` devices
+    (least squares on t = 2(p-1) alpha + 2(p-1)/p bytes / beta)."""
+    if p < 2 or len(samples) < 2:
+        raise ValueError("fit_link needs p >= 2 and at least two (bytes, seconds) samples")
+    xs = [2 * (p - 1) / p * n for n, _ in samples]
+    ys = [t for _, t in samples]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    slope = max(slope, 1e-15)  # seconds per byte; a flat fit means a link faster than we can see
+    alpha = max((my - slope * mx) / (2 * (p - 1)), 0.0)
+    return LinkSpec(bandwidth_gbs=1.0 / slope / 1e9, latency_us=alpha * 1e6)
+
+
+def profile_link(
+    group=None, sizes: tuple[int, ...] = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), repeats: int = 10
+) -> LinkSpec:
+    """Fit this group's link from timed all-reduces of float32 buffers of `sizes` bytes. Collective:
+    every rank of `group` calls it; all get the same figures (rank 0's timings, broadcast)."""
+    import torch.distributed as dist
+
+    p = dist.get_world_size(group)
+    samples = []
+    for nbytes in sizes:
+        buf = torch.zeros(max(nbytes // 4, 1))
+        dist.all_reduce(buf, group=group)  # warm the connection up
+        times = []
+        for _ in range(3):  # back to back, as a step issues them: each waits for the slower peer
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                dist.all_reduce(buf, group=group)
+            times.append((time.perf_counter() - t0) / repeats)
+        samples.append((float(nbytes), statistics.median(times)))
+    shared = [samples]
+    dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    return fit_link(shared[0], p)

@@ -10,15 +10,16 @@ from dataclasses import dataclass, field, replace
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
 from nnscaler.policies.autodist.cluster import ClusterSpec
-from nnscaler.policies.autodist.comm import send_recv
+from nnscaler.policies.autodist.comm import all_gather, send_recv
 from nnscaler.policies.autodist.constraints import PartitionConstraints
 from nnscaler.policies.autodist.cost import CostContext
 from nnscaler.policies.autodist.layers import layer_instances
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.autodist.pipeline_dp import stage_dp
 from nnscaler.policies.autodist.spmd import SpmdResult, solve_spmd
+from nnscaler.runtime.buckets import DEFAULT_BUCKET_CAP_MB
 
-__all__ = ["PlannerSetup", "Candidate", "search", "divisors"]
+__all__ = ["PlannerSetup", "Candidate", "search", "divisors", "fixed_costs"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,11 @@ class PlannerSetup:
     micro-batches (batch_scale = 1 / (dp x nmicros)); otherwise it is one micro-batch of one replica."""
     measured: dict[str, float] | None = None
     """Measured op times (pas_config['profile_db_path']), overriding the analytic ones where present."""
+    step_overhead: float = 0.0
+    """Seconds one device spends per micro-batch outside its ops (the backward pass's start, the
+    module's call), measured by the profiler; 0 without a measured database."""
+    bucket_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20
+    """Gradient bucket size of the data-parallel sync (each bucket pays the collective's latency)."""
 
 
 @dataclass
@@ -121,6 +127,20 @@ def _transient(graph: Graph, ctx: CostContext, setup: PlannerSetup) -> float:
     return setup.memory.transient_mem_coef * largest / max(ctx.ways, 1)
 
 
+def fixed_costs(graph: Graph, setup: PlannerSetup, ctx: CostContext, nmicros: int, stages: int = 1) -> float:
+    """Seconds per step that do not belong to one op: the per-micro-batch overhead on the critical
+    path ((nmicros + stages - 1) slots of a pipeline), the latency of the gradient buckets, and the
+    runtime's check that the ranks of a plan got inputs of one shape (an all-gather of one int64 per
+    forward call, or per train_step of a pipeline; runtime/preflight.py)."""
+    weight_bytes = sum(
+        ctx.value_bytes(graph, name) for name, v in graph.values.items() if v.kind == "param"
+    ) / max(ctx.ways * stages, 1)
+    latency = setup.memory.grad_sync_latency(weight_bytes, ctx, setup.bucket_bytes)
+    checks = nmicros if stages == 1 else 1
+    check = all_gather(8.0 * setup.plan_ngpus, setup.plan_ngpus, setup.cluster.link(setup.plan_ngpus))
+    return (nmicros + stages - 1) * setup.step_overhead + latency + checks * check
+
+
 def _spmd_candidate(graph: Graph, setup: PlannerSetup, layer_paths: tuple[str, ...]) -> Candidate:
     ctx = _ctx(setup, setup.plan_ngpus)
     m = setup.nmicros or 1
@@ -146,7 +166,7 @@ def _spmd_candidate(graph: Graph, setup: PlannerSetup, layer_paths: tuple[str, .
             error = exc
             continue
         factor = 4.0 / 3.0 if paths else 1.0  # recomputed modules run their forward twice
-        step = res.time * m * factor + res.sync
+        step = res.time * m * factor + res.sync + fixed_costs(graph, setup, ctx, m)
         return Candidate(1, setup.plan_ngpus, m, rc, step, res.memory, res, recompute_paths=paths)
     raise error
 
@@ -223,7 +243,7 @@ def _score_pipeline(graph, setup, res, ctx, pp, rc, limit, seg_starts, layer_pat
         sync = max(sum(seg_sync[sb[s] : sb[s + 1]]) for s in range(pp))
         hop = max(seg_in)  # one boundary activation, this device's share
         p2p = 2 * (pp - 1) * send_recv(hop, 2, setup.cluster.link(2, tp))
-        step = (m + pp - 1) * t_max + p2p + sync
+        step = (m + pp - 1) * t_max + p2p + sync + fixed_costs(graph, setup, ctx, m, pp)
         mem = max(
             sum(seg_param[sb[s] : sb[s + 1]]) + sum(acts[sb[s] : sb[s + 1]]) * min(pp - s, m)
             for s in range(pp)
