@@ -1,14 +1,20 @@
-"""Train a small GPT with nnscaler on CPU (gloo) or GPU (NCCL), on synthetic tokens made locally.
+"""Train a small character-level GPT with nnscaler on CPU (gloo) or GPU (NCCL).
 
     torchrun --nproc_per_node 4 examples/nanogpt/train.py --plan_ngpus 2 --runtime_ngpus 4
     torchrun --nproc_per_node 4 examples/nanogpt/train.py --plan_ngpus 4 --policy pp --nmicros 4
 
-With --policy pp / hybrid the model runs as pipeline stages (end-to-end mode): each step is one
-`train_step` over --nmicros micro-batches of --batch_size rows each, under --scheduler.
+The data is tinyshakespeare as characters (examples/nanogpt/prepare.py; without a network, or with
+--offline, the docstrings of the Python standard library). Missing data is prepared first, by one
+process per machine. Each data-parallel replica (runtime_ngpus / plan_ngpus of them) draws its own
+random windows of train.bin; the ranks of one replica run the plan's tensor-parallel pieces on the
+same batch. With --policy pp / hybrid the model runs as pipeline stages (end-to-end mode): each step
+is one `train_step` over --nmicros micro-batches of --batch_size rows each, under --scheduler.
 
-Each data-parallel replica (runtime_ngpus / plan_ngpus of them) reads its own batches; the ranks of one
-replica run the plan's tensor-parallel pieces. The generated code lands in
-./.nnscaler/_parallel_modules/examples/nanogpt/model/GPT/_/gencode{rank}.py.
+Rank 0 shows a progress bar (or a line every tenth of the run when stdout is not a terminal), then
+the first and last training loss, the validation loss before and after, and a sample of generated
+text (the trained shards merged into a plain GPT with `merge_state_dicts`). The generated code lands
+in {gen_savedir}/_parallel_modules/examples/nanogpt/model/GPT/_/gencode{rank}.py
+(./.nnscaler/_parallel_modules/... by default).
 """
 
 from __future__ import annotations
@@ -19,48 +25,84 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 sys.path.insert(
     0, str(Path(__file__).resolve().parents[2])
 )  # run from a checkout without installing examples
 
 import nnscaler  # noqa: E402
+from examples.nanogpt.generate import eval_loss, generate, get_batch, merged_gpt  # noqa: E402
 from examples.nanogpt.model import GPT, GPTConfig  # noqa: E402
+from examples.nanogpt.prepare import DEFAULT_DATA_DIR, decode, encode, ensure_data, load_meta  # noqa: E402
 from nnscaler import ComputeConfig, build_optimizer, parallelize  # noqa: E402
 
-
-def synthetic_tokens(vocab: int, block: int, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A learnable toy language: each sequence counts upward from a random start, modulo the vocabulary."""
-    g = torch.Generator().manual_seed(seed)
-    start = torch.randint(0, vocab, (batch, 1), generator=g)
-    seq = (start + torch.arange(block + 1)) % vocab
-    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+try:
+    from tqdm import tqdm
+except ImportError:  # the summary lines below stand in for the bar
+    tqdm = None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plan_ngpus", type=int, default=2)
+    p.add_argument("--runtime_ngpus", type=int, default=-1, help="-1: $WORLD_SIZE")
+    p.add_argument("--policy", default="tp", choices=["dp", "data", "tp", "pp", "hybrid"])
+    p.add_argument("--nmicros", type=int, default=4, help="micro-batches per step (pp, hybrid)")
+    p.add_argument("--scheduler", default="1f1b", choices=["gpipe", "1f1b", "1f1b_interleaved"])
+    p.add_argument("--nstages", default="auto", help="pipeline stages (pp, hybrid)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch_size", type=int, default=16, help="rows per (micro-)batch on one replica")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--block_size", type=int, default=64)
+    p.add_argument("--n_layer", type=int, default=4)
+    p.add_argument("--n_head", type=int, default=4)
+    p.add_argument("--n_embd", type=int, default=128)
+    p.add_argument("--eval_iters", type=int, default=8, help="batches of val.bin for the validation loss")
+    p.add_argument(
+        "--sample_tokens", type=int, default=200, help="characters to generate at the end (0: none)"
     )
-    parser.add_argument("--plan_ngpus", type=int, default=2)
-    parser.add_argument("--runtime_ngpus", type=int, default=-1, help="-1: $WORLD_SIZE")
-    parser.add_argument("--policy", default="tp", choices=["dp", "data", "tp", "pp", "hybrid"])
-    parser.add_argument("--nmicros", type=int, default=4, help="micro-batches per step (pp, hybrid)")
-    parser.add_argument("--scheduler", default="1f1b", choices=["gpipe", "1f1b", "1f1b_interleaved"])
-    parser.add_argument("--nstages", default="auto", help="pipeline stages (pp, hybrid)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--gen_savedir", default="./.nnscaler")
-    args = parser.parse_args()
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data_dir", default=str(DEFAULT_DATA_DIR))
+    p.add_argument("--offline", action="store_true", help="prepare data without trying the download")
+    p.add_argument("--gen_savedir", default="./.nnscaler")
+    return p.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     nnscaler.init()
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     runtime = world if args.runtime_ngpus == -1 else args.runtime_ngpus
-    torch.manual_seed(0)  # the same initial weights on every rank
-    config = GPTConfig(block_size=64, vocab_size=512, n_layer=4, n_head=4, n_embd=128, dropout=0.0)
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one process per machine prepares missing data
+        ensure_data(args.data_dir, offline=args.offline)
+    if dist.is_initialized():
+        dist.barrier()
+    meta = load_meta(args.data_dir)
+    train_data = np.memmap(Path(args.data_dir) / "train.bin", dtype=np.uint16, mode="r")
+    val_data = np.memmap(Path(args.data_dir) / "val.bin", dtype=np.uint16, mode="r")
+
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    config = GPTConfig(
+        block_size=args.block_size,
+        vocab_size=meta["vocab_size"],
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        dropout=0.0,
+    )
     model = GPT(config)
-    idx, targets = synthetic_tokens(config.vocab_size, config.block_size, args.batch_size, seed=0)
+    val_before = (
+        eval_loss(model, val_data, args.block_size, args.batch_size, args.eval_iters) if rank == 0 else 0.0
+    )
+
+    replica = rank // args.plan_ngpus
+    # one stream of batches per data-parallel replica: the ranks of a replica draw the same windows
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + replica)
+    batch = lambda: get_batch(train_data, args.block_size, args.batch_size, g)
+    idx, targets = batch()
     pipelined = args.policy in ("pp", "hybrid")
     pas = {"pipeline_nmicros": args.nmicros, "pipeline_scheduler": args.scheduler}
     if args.nstages != "auto":
@@ -72,32 +114,55 @@ def main() -> None:
     )
     if rank == 0:
         print(
-            f"compiled {model.num_params() / 1e6:.2f}M-parameter GPT with policy {args.policy!r}, "
-            f"ComputeConfig({cfg.plan_ngpus}, {cfg.runtime_ngpus}) in {time.perf_counter() - t0:.1f}s"
+            f"compiled {model.num_params() / 1e6:.2f}M-parameter GPT (vocab {config.vocab_size}, "
+            f"{meta['source']}) with policy {args.policy!r}, ComputeConfig({cfg.plan_ngpus}, "
+            f"{cfg.runtime_ngpus}) in {time.perf_counter() - t0:.1f}s",
+            flush=True,
         )
-    optimizer = build_optimizer(pm, torch.optim.AdamW, lr=3e-3)
-    replica = rank // args.plan_ngpus
+    optimizer = build_optimizer(pm, torch.optim.AdamW, lr=args.lr)
+    bar = tqdm(total=args.steps, desc="train", unit="step", disable=None) if rank == 0 and tqdm else None
+    show_lines = rank == 0 and (bar is None or bar.disable)
+    every = max(args.steps // 10, 1)
+    losses: list[float] = []
+    t0 = time.perf_counter()
     for step in range(args.steps):
-        seed = 1 + step * cfg.dp_size + replica
         if pipelined:
             micro = []
-            for m in range(args.nmicros):
-                idx, targets = synthetic_tokens(
-                    config.vocab_size, config.block_size, args.batch_size, seed=seed * 1000 + m
-                )
+            for _ in range(args.nmicros):
+                idx, targets = batch()
                 micro.append({"idx": idx.to(pm.device), "targets": targets.to(pm.device)})
             loss = torch.stack(pm.train_step(micro)).mean()
         else:
-            idx, targets = synthetic_tokens(config.vocab_size, config.block_size, args.batch_size, seed=seed)
+            idx, targets = batch()
             loss = pm(idx.to(pm.device), targets.to(pm.device))
             loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        if rank == 0:
-            print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
+        losses.append(loss.item())
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        if show_lines and (step % every == 0 or step == args.steps - 1):
+            print(f"step {step:4d}/{args.steps}  loss {losses[-1]:.4f}", flush=True)
+    if bar is not None:
+        bar.close()
+    train_s = time.perf_counter() - t0
+
+    plain = merged_gpt(pm, config)  # every rank sends its shards; rank 0 gets the single-device GPT
     if rank == 0:
+        val_after = eval_loss(plain, val_data, args.block_size, args.batch_size, args.eval_iters)
+        print(
+            f"train loss: first {losses[0]:.4f}  last {losses[-1]:.4f}  ({args.steps} steps in {train_s:.1f}s)"
+        )
+        print(f"val loss: before {val_before:.4f}  after {val_after:.4f}")
+        if args.sample_tokens > 0:
+            prompt = "\n" if "\n" in meta["stoi"] else meta["itos"][0]
+            ids = generate(plain, encode(prompt, meta["stoi"]), args.sample_tokens, seed=args.seed)
+            print(
+                f"sample ({args.sample_tokens} characters, top-10 sampling):\n{decode(ids, meta['itos'])}\n---"
+            )
         out = Path(args.gen_savedir).resolve() / "_parallel_modules/examples/nanogpt/model/GPT/_"
-        print(f"generated code: {out}/gencode{{0..{runtime - 1}}}.py")
+        print(f"generated code: {out}/gencode{{0..{runtime - 1}}}.py", flush=True)
     nnscaler.uninit()
 
 
