@@ -3,6 +3,7 @@ compiling code (offline planning for a cluster you do not have).
 
     python -m nnscaler.plan --model tests.zoo.build_llama --cluster h100x8
     python -m nnscaler.plan --hf-config llama70b.json --seq 8192 --cluster h100x64_ib --bf16
+    python -m nnscaler.plan --model tests.zoo.build_gpt --cluster h100x8 --at idx_size0=16,targets_size0=16
 
 `--model` names a builder: a callable returning an nn.Module, or (module, dummy_kwargs), or
 (module, make_batch) with make_batch(seed, batch_size) -> kwargs. `--hf-config` builds a
@@ -52,6 +53,36 @@ def build_model(spec: str | None, hf_config: str | None, batch: int, seq: int):
     return module, inputs
 
 
+def _parse_sizes(spec: str) -> dict[str, int]:
+    try:
+        return {k.strip(): int(v) for k, v in (item.split("=") for item in spec.split(",") if item.strip())}
+    except ValueError:
+        raise SystemExit(
+            f"--at {spec!r}: give NAME=SIZE pairs separated by commas, e.g. idx_size0=16"
+        ) from None
+
+
+def _at_sizes(graph, result, specs: list[str]) -> str:
+    """The chosen plan re-costed at other input sizes (symbolic shapes, no new trace)."""
+    from dataclasses import replace
+
+    from nnscaler.policies.autodist.cost import traced_batch_size
+    from nnscaler.policies.autodist.evaluate import evaluate_plan
+    from nnscaler.policies.autodist.symbolic import flops_expr, graph_at_sizes
+
+    lines = [f"\nForward FLOPs of one call: {flops_expr(graph)}\n"]
+    for spec in specs:
+        resized = graph_at_sizes(graph, _parse_sizes(spec))
+        setup = replace(result.setup, traced_batch=traced_batch_size(resized))
+        cand = evaluate_plan(resized, setup, result.plan)
+        fits = "fits" if cand.memory <= setup.mem_limit else "does NOT fit"
+        lines.append(
+            f"At {spec}: predicted step {cand.step_time * 1e3:.3f} ms, {cand.memory / 1e9:.3f} GB on the "
+            f"fullest device ({fits} in {setup.mem_limit / 1e9:.1f} GB)\n"
+        )
+    return "".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     from nnscaler.policies.autodist import load_cluster
     from nnscaler.policies.autodist.offline import plan_offline
@@ -75,6 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recompute", help="recompute_modules")
     p.add_argument("--save-plan", help="write the plan JSON here")
     p.add_argument("--out", help="write the report here as well as printing it")
+    p.add_argument(
+        "--at",
+        action="append",
+        default=[],
+        metavar="NAME=SIZE,...",
+        help="also cost the chosen plan at these input sizes without tracing again (repeatable); "
+        "the size names are printed with the model's FLOPs",
+    )
     args = p.parse_args(argv)
     if not args.model and not args.hf_config:
         p.error("give --model or --hf-config")
@@ -103,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = plan_report(graph, result.plan, result.setup, result.scored)
     text += f"\nPlanned in {result.seconds:.1f} s ({len(graph.nodes)} traced ops).\n"
+    if args.at:
+        text += _at_sizes(graph, result, args.at)
     print(text, end="")
     if args.out:
         Path(args.out).write_text(text)

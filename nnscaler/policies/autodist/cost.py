@@ -160,7 +160,7 @@ def node_flops(node: Node, graph: Graph) -> float:
     if node.op.startswith("aten.conv") and len(ins) > 1 and ins[1].shape:
         w = ins[1].shape
         return 2.0 * out * (ins[1].numel // max(w[0], 1))
-    return float(out)
+    return 1.0 * out  # a float, or a sympy expression for symbolic shapes (symbolic.flops_expr)
 
 
 def compute_time(flops: float, nbytes: float, ctx: CostContext, dtype: str, matmul: bool) -> float:
