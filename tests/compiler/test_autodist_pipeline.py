@@ -125,3 +125,21 @@ def test_pivots_that_match_nothing_are_an_error(zoo_graphs):
     graph = zoo_graphs["llama"][0]
     with pytest.raises(PlanError, match="LlamaDecoderLayr.*match no module"):
         make_plan(graph, "autodist", _e2e(pipeline_pivots="LlamaDecoderLayr"))
+
+
+def test_stage_boundary_carries_every_crossing_tensor(zoo_graphs):
+    """Between two decoder layers travel the hidden state, the rotary tables both layers read and the
+    labels the loss reads at the end, not only the layer's first input."""
+    from nnscaler.policies.autodist.dataflow import crossing_values
+    from nnscaler.policies.autodist.layers import layer_instances
+
+    graph = zoo_graphs["llama"][0]
+    _, instances = layer_instances(graph)
+    second = instances[1][1][0]
+    crossing = crossing_values(graph, second)
+    kinds = {graph.values[v].kind for v in crossing}
+    assert kinds == {"activation", "input"}
+    shapes = sorted(graph.values[v].meta.shape for v in crossing)
+    assert (4, 16, 64) in shapes and shapes.count((1, 16, 16)) == 2  # hidden, cos and sin
+    assert graph.nodes[second].input_names()[0] in crossing
+    assert not any(graph.values[v].kind == "param" for v in crossing)

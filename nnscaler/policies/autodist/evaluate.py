@@ -7,7 +7,7 @@ import math
 from nnscaler.graph.ir import Graph
 from nnscaler.policies.autodist.comm import send_recv
 from nnscaler.policies.autodist.layers import fold_layers
-from nnscaler.policies.autodist.search import Candidate, PlannerSetup, _ctx, fixed_costs
+from nnscaler.policies.autodist.search import Candidate, PlannerSetup, _ctx, _segment_input, fixed_costs
 from nnscaler.policies.autodist.spmd import solve_spmd
 from nnscaler.policies.plan import REPLICATE, NodePlan, Plan
 
@@ -65,10 +65,8 @@ def evaluate_nodes(
         par = sum(res.node_memory[n] for n in names) - act
         mems.append(par + act * min(len(starts) - s, nmicros))
         syncs.append(sum(res.node_sync[n] for n in names))
-    hop = max(
-        (ctx.value_bytes(graph, r) for i in starts[1:] for r in graph.nodes[i].input_names()), default=0.0
-    )
-    p2p = 2 * (len(starts) - 1) * send_recv(hop / tp, 2, setup.cluster.link(2, tp))
+    hop = max((_segment_input(graph, ctx, i) for i in starts[1:]), default=0.0)
+    p2p = 2 * (len(starts) - 1) * send_recv(hop, 2, setup.cluster.link(2, tp))
     step = (nmicros + len(starts) - 1) * max(stage_times) + p2p + max(syncs)
     step += fixed_costs(graph, setup, ctx, nmicros, len(starts))
     return Candidate(pp, tp, nmicros, bool(recompute), step, max(mems), res, starts, stage_times, recompute)

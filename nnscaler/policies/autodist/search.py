@@ -13,6 +13,7 @@ from nnscaler.policies.autodist.cluster import ClusterSpec
 from nnscaler.policies.autodist.comm import all_gather, send_recv
 from nnscaler.policies.autodist.constraints import PartitionConstraints
 from nnscaler.policies.autodist.cost import CostContext
+from nnscaler.policies.autodist.dataflow import crossing_values
 from nnscaler.policies.autodist.layers import layer_instances
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.autodist.pipeline_dp import stage_dp
@@ -213,9 +214,9 @@ def _pipeline_candidates(
 
 
 def _segment_input(graph: Graph, ctx: CostContext, index: int) -> float:
-    """Bytes per device of the activation entering the segment that starts at node `index`."""
-    first = graph.nodes[index]
-    return max((ctx.value_bytes(graph, r) for r in first.input_names()), default=0.0) / ctx.ways
+    """Bytes per device of the activations entering the segment that starts at node `index` (all that
+    cross the cut: the hidden state, skip connections, rotary tables, inputs read later)."""
+    return sum(ctx.value_bytes(graph, r) for r in crossing_values(graph, index)) / ctx.ways
 
 
 def _score_pipeline(graph, setup, res, ctx, pp, rc, limit, seg_starts, layer_paths) -> list[Candidate]:

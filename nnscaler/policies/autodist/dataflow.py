@@ -1,0 +1,50 @@
+"""What crosses a pipeline stage boundary: the activations produced before a cut of the node order
+and read after it. Not only the layer's input: skip connections, rotary tables, masks and forward
+inputs read by later stages all travel (and, with recompute, are what a stage keeps).
+
+The dataflow is a networkx MultiDiGraph (one edge per value read, keyed by the value's name) and the
+crossing values of a cut are its edge boundary (networkx.edge_boundary) between the nodes before and
+after the cut.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from nnscaler.graph.ir import Graph
+
+__all__ = ["dataflow_graph", "crossing_values"]
+
+_INPUT = "input:"
+"""Prefix of the source vertex of a forward input (inputs are not produced by a node)."""
+
+
+def dataflow_graph(graph: Graph) -> nx.MultiDiGraph:
+    """Vertices: node names and one source per forward input; an edge producer -> reader per activation
+    or input read (parameters and buffers live on their stage and never travel). Cached per graph."""
+    cached = getattr(graph, "_autodist_dataflow", None)
+    if cached is not None and cached[0] == len(graph.nodes):
+        return cached[1]
+    g = nx.MultiDiGraph()
+    for i, node in enumerate(graph.nodes):
+        g.add_node(node.name, order=i)
+    for node in graph.nodes:
+        for ref in set(node.input_names()):
+            value = graph.values[ref]
+            if value.kind in ("param", "buffer") or value.meta is None:
+                continue
+            src = value.producer if value.producer in g else _INPUT + ref
+            if src not in g:
+                g.add_node(src, order=-1)
+            g.add_edge(src, node.name, key=ref)
+    graph._autodist_dataflow = (len(graph.nodes), g)
+    return g
+
+
+def crossing_values(graph: Graph, index: int) -> list[str]:
+    """Names of the tensors that cross the cut before node `index` (sorted, each once)."""
+    g = dataflow_graph(graph)
+    order = nx.get_node_attributes(g, "order")
+    before = {n for n, i in order.items() if i < index}
+    after = set(g) - before
+    return sorted({key for _, _, key in nx.edge_boundary(g, before, after, keys=True)})
