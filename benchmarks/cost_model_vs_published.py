@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from benchmarks.plan_quality import _llama, _lm, _tokens
 from nnscaler import ComputeConfig
