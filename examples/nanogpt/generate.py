@@ -24,8 +24,8 @@ def _cpu(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def merged_gpt(parallel_module: Any, config: GPTConfig) -> GPT | None:
-    """A single-device GPT holding the trained weights, on rank 0 (None elsewhere). Collective: every
-    rank calls it; each sends its state dict to rank 0, which merges them (`merge_state_dicts`)."""
+    """A single-device GPT(config) holding the trained weights, on rank 0 (None elsewhere). Collective:
+    every rank calls it; each sends its state dict to rank 0, which merges them (`merge_state_dicts`)."""
     state = _cpu(parallel_module.state_dict())
     if not (dist.is_available() and dist.is_initialized()):
         pieces = [state]

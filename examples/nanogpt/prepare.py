@@ -117,13 +117,18 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def prepare(
-    data_dir: str | Path = DEFAULT_DATA_DIR, offline: bool = False, max_chars: int | None = None
+    data_dir: str | Path = DEFAULT_DATA_DIR,
+    offline: bool = False,
+    max_chars: int | None = None,
+    verbose: bool = True,
 ) -> CharData:
-    """Write train.bin / val.bin / meta.json into `data_dir` unless they are there already."""
+    """Write train.bin / val.bin / meta.json into `data_dir` unless they are there already (then
+    say so when `verbose`; what is written, and a fallback to the offline corpus, is always said)."""
     data_dir = Path(data_dir)
     if _complete(data_dir):
         meta = load_meta(data_dir)
-        print(f"prepare: reusing {data_dir} ({meta['source']}, vocab {meta['vocab_size']})", flush=True)
+        if verbose:
+            print(f"prepare: reusing {data_dir} ({meta['source']}, vocab {meta['vocab_size']})", flush=True)
         return CharData(
             data_dir, meta["source"], meta["vocab_size"], meta["train_tokens"], meta["val_tokens"], True
         )
@@ -170,13 +175,16 @@ def prepare(
 
 
 def ensure_data(
-    data_dir: str | Path = DEFAULT_DATA_DIR, offline: bool = False, max_chars: int | None = None
+    data_dir: str | Path = DEFAULT_DATA_DIR,
+    offline: bool = False,
+    max_chars: int | None = None,
+    verbose: bool = True,
 ) -> CharData:
     """`prepare` under a file lock beside the data dir: safe when several processes call it at once."""
     data_dir = Path(data_dir)
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(data_dir) + ".lock"):
-        return prepare(data_dir, offline, max_chars)
+        return prepare(data_dir, offline, max_chars, verbose)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,1 @@
+"""Tests of the examples/ scripts, run the way their READMEs say."""
