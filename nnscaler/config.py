@@ -156,6 +156,33 @@ class ComputeConfig:
         """Number of data-parallel replicas of the plan."""
         return self.dims.dp_size
 
+    def apply_pipeline_scheduler(self, plan: Any, nstages: int, nmicros: int, scheduler: str = "1f1b") -> Any:
+        """nnScaler's, for custom policies: the staged `plan` (a policies.Plan whose `pipeline` gives
+        the stage starts, e.g. PipelinePlan(starts, pp_size, nmicros=1)) run as `nmicros` micro-batches
+        per train_step under `scheduler` ('gpipe', '1f1b', '1f1b_interleaved'). Returns a new Plan; the
+        schedule is checked (and simulated) when the plan is compiled."""
+        if not self.use_end2end:
+            raise ConfigError(
+                "apply_pipeline_scheduler: pipelines run in end-to-end mode; set ComputeConfig(use_end2end=True)"
+            )
+        pipeline = getattr(plan, "pipeline", None)
+        if pipeline is None:
+            raise ConfigError(
+                "apply_pipeline_scheduler: the plan has no stages; give it "
+                "pipeline=PipelinePlan(starts=<first node of each stage>, pp_size=...) first "
+                "(nnscaler.policies.staging.balanced_starts picks even starts)"
+            )
+        if pipeline.nstages != nstages:
+            raise ConfigError(
+                f"apply_pipeline_scheduler: nstages={nstages} but the plan has {pipeline.nstages} stages "
+                f"(starting at {list(pipeline.starts)})"
+            )
+        if not isinstance(nmicros, int) or nmicros < 1:
+            raise ConfigError(f"apply_pipeline_scheduler: nmicros must be an int >= 1, got {nmicros!r}")
+        from dataclasses import replace
+
+        return replace(plan, pipeline=replace(pipeline, nmicros=nmicros, scheduler=scheduler))
+
     def get_sync_group(self) -> tuple[list[int], Any]:
         """nnScaler's: (ranks, process group) of this rank's data-parallel group (the ranks holding the
         same weights). Collective the first time: creates every data-parallel group, so every rank
