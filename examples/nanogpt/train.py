@@ -4,11 +4,12 @@
     torchrun --nproc_per_node 4 examples/nanogpt/train.py --plan_ngpus 4 --policy pp --nmicros 4
 
 The data is tinyshakespeare as characters (examples/nanogpt/prepare.py; without a network, or with
---offline, the docstrings of the Python standard library). Missing data is prepared first, by one
-process per machine. Each data-parallel replica (runtime_ngpus / plan_ngpus of them) draws its own
-random windows of train.bin; the ranks of one replica run the plan's tensor-parallel pieces on the
-same batch. With --policy pp / hybrid the model runs as pipeline stages (end-to-end mode): each step
-is one `train_step` over --nmicros micro-batches of --batch_size rows each, under --scheduler.
+--offline, the docstrings of the Python standard library). Missing data is prepared first, by the
+first process to take the data dir's file lock. Each data-parallel replica (runtime_ngpus /
+plan_ngpus of them) draws its own random windows of train.bin; the ranks of one replica run the
+plan's tensor-parallel pieces on the same batch. With --policy pp / hybrid the model runs as
+pipeline stages (end-to-end mode): each step is one `train_step` over --nmicros micro-batches of
+--batch_size rows each, under --scheduler.
 
 Rank 0 shows a progress bar (or a line every tenth of the run when stdout is not a terminal), then
 the first and last training loss, the validation loss before and after, and a sample of generated
@@ -71,16 +72,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_same_data(meta: dict) -> None:
+    """Every rank must read the same corpus (machines without a shared data dir prepare their own;
+    one may have downloaded Shakespeare while another fell back to the offline corpus)."""
+    if not dist.is_initialized():
+        return
+    mine = (meta["source"], meta["chars"], "".join(meta["itos"]))
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, mine)
+    if any(s != seen[0] for s in seen):
+        kinds = sorted({f"{s[0]} ({s[1]} characters)" for s in seen})
+        raise RuntimeError(
+            f"the ranks read different data in --data_dir: {kinds}; prepare it once "
+            "(examples/nanogpt/prepare.py) and copy it to every machine, or pass --offline everywhere"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     nnscaler.init()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     runtime = world if args.runtime_ngpus == -1 else args.runtime_ngpus
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one process per machine prepares missing data
-        ensure_data(args.data_dir, offline=args.offline)
-    if dist.is_initialized():
-        dist.barrier()
+    # the first process to take the data dir's file lock prepares missing data, the others reuse it
+    ensure_data(args.data_dir, offline=args.offline, verbose=rank == 0)
     meta = load_meta(args.data_dir)
+    check_same_data(meta)
     train_data = np.memmap(Path(args.data_dir) / "train.bin", dtype=np.uint16, mode="r")
     val_data = np.memmap(Path(args.data_dir) / "val.bin", dtype=np.uint16, mode="r")
 
