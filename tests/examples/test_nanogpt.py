@@ -106,3 +106,29 @@ def test_trainer_yaml_learns_and_samples(data_dir, tmp_path):
     assert (tmp_path / "checkpoints/nanogpt_char/last").exists()
     gen = tmp_path / ".nnscaler/_parallel_modules/examples/nanogpt/model/GPT/trainer"
     assert sorted(p.name for p in gen.glob("gencode*.py")) == [f"gencode{r}.py" for r in range(4)]
+
+
+def test_prepare_downloads_shakespeare_and_falls_back_saying_so(tmp_path, monkeypatch, capsys):
+    import io
+    import urllib.request
+
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 40
+
+    def fake_urlopen(url, timeout):
+        assert "tinyshakespeare" in url and timeout <= 10
+        return io.BytesIO(text.encode())
+
+    monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen)
+    info = prepare(tmp_path / "shakespeare", offline=False)
+    meta = load_meta(tmp_path / "shakespeare")
+    assert (info.source, meta["vocab_size"], meta["chars"]) == ("tinyshakespeare", len(set(text)), len(text))
+    assert "offline corpus" not in capsys.readouterr().out
+
+    def no_network(url, timeout):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    info = prepare(tmp_path / "fallback", offline=False, max_chars=5_000)
+    said = capsys.readouterr().out
+    assert "could not download tinyshakespeare" in said and "using the offline corpus" in said
+    assert info.source == "python-stdlib-docstrings" and info.train_tokens + info.val_tokens == 5_000
