@@ -41,7 +41,11 @@ def load_type(type_name: Any) -> Any:
             rest = parts[i:]
             break
         if obj is None:
-            raise TypeLoadError(f"cannot load {type_name!r}: no module {parts[0]!r} is importable")
+            raise TypeLoadError(
+                f"cannot load {type_name!r}: no module {parts[0]!r} is importable. If it lives in the "
+                "current directory, run `python -m nnscaler.cli.train ...` (which puts the current "
+                "directory on the import path; the `nnscaler-train` script does not) or set PYTHONPATH=."
+            )
     for i, attr in enumerate(rest):
         try:
             obj = getattr(obj, attr)
