@@ -38,13 +38,19 @@ def dataflow_graph(graph: Graph) -> nx.MultiDiGraph:
                 g.add_node(src, order=-1)
             g.add_edge(src, node.name, key=ref)
     graph._autodist_dataflow = (len(graph.nodes), g)
+    graph._autodist_crossing = {}  # cuts of this dataflow (crossing_values)
     return g
 
 
-def crossing_values(graph: Graph, index: int) -> list[str]:
-    """Names of the tensors that cross the cut before node `index` (sorted, each once)."""
+def crossing_values(graph: Graph, index: int) -> tuple[str, ...]:
+    """Names of the tensors that cross the cut before node `index` (sorted, each once). Cached per
+    graph: a search asks for the same cuts for every configuration it scores."""
     g = dataflow_graph(graph)
-    order = nx.get_node_attributes(g, "order")
-    before = {n for n, i in order.items() if i < index}
-    after = set(g) - before
-    return sorted({key for _, _, key in nx.edge_boundary(g, before, after, keys=True)})
+    cache = graph._autodist_crossing if hasattr(graph, "_autodist_crossing") else {}
+    graph._autodist_crossing = cache
+    if index not in cache:
+        order = nx.get_node_attributes(g, "order")
+        before = {n for n, i in order.items() if i < index}
+        after = set(g) - before
+        cache[index] = tuple(sorted({key for _, _, key in nx.edge_boundary(g, before, after, keys=True)}))
+    return cache[index]
