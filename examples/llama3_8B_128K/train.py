@@ -1,0 +1,198 @@
+"""Train (or only compile) Llama 3 on long sequences with nnscaler's CLI Trainer.
+
+    # compile the full Llama-3-8B at 128K tokens for 8 GPUs, here, without GPUs or torchrun
+    python examples/llama3_8B_128K/train.py --run_mode compile --plan_ngpus 8 --runtime_ngpus 8 \\
+        --model_id meta-llama/Meta-Llama-3-8B --seq_len 131072 --policy tp
+    # train a mini model on 4 CPU processes: 2-way plan, 2 data-parallel replicas
+    torchrun --nproc_per_node 4 examples/llama3_8B_128K/train.py --plan_ngpus 2 --runtime_ngpus 4 \\
+        --model_id ./llama3_mini --dataset_path ./bytes_128 --max_train_steps 40 --lr 1e-2
+
+The model is HF `LlamaForCausalLM` built from --model_id's config (model.LlamaLM: weights loaded from
+a local checkpoint that has them, else random init; on the meta device with --run_mode compile).
+Its forward returns the mean token loss; rows all have the same length, so the trainer's mean over
+micro-batches and replicas is the mean over every token of the step. Attention is sdpa with is_causal (no seq x seq mask is materialised), so 128K
+sequences trace like short ones. --pipeline_pivots LlamaDecoderLayer makes pipeline stages start at
+decoder layers (with --policy autodist, pp or hybrid; --grad_accumulation_steps micro-batches per
+step); --recompute_modules LlamaDecoderLayer recomputes each layer's activations in backward.
+
+Rank 0 prints a line every tenth of the run, then `train loss: first F  last L` and where the
+generated code went ({gen_savedir}/_parallel_modules/examples/llama3_8B_128K/model/LlamaLM/{name}/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
+
+from examples.llama3_8B_128K.data import load_meta  # noqa: E402
+from examples.llama3_8B_128K.model import LLAMA3_8B_ID, describe, load_config  # noqa: E402
+
+PIPELINE_POLICIES = ("autodist", "pp", "hybrid")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plan_ngpus", type=int, required=True, help="devices one copy of the plan spans")
+    p.add_argument("--runtime_ngpus", type=int, default=-1, help="-1: $WORLD_SIZE (compile: plan_ngpus)")
+    p.add_argument(
+        "--name", default="llama3_8B_128K", help="run name: instance of the generated code, checkpoints"
+    )
+    p.add_argument(
+        "--model_id", default=LLAMA3_8B_ID, help="a Hugging Face id or a local dir with config.json"
+    )
+    p.add_argument(
+        "--dataset_path", default=None, help="a dataset saved by bookcorpus.py (compile: optional)"
+    )
+    p.add_argument("--run_mode", default="run", choices=["run", "compile"])
+    p.add_argument(
+        "--policy", default="autodist", help="dp, data, tp, pp, hybrid, autodist or a dotted function"
+    )
+    p.add_argument(
+        "--pipeline_pivots", default=None, help="e.g. LlamaDecoderLayer: stages start at these modules"
+    )
+    p.add_argument("--pipeline_nstages", default="auto", help="pipeline stages ('auto': by the policy)")
+    p.add_argument("--pipeline_scheduler", default="1f1b", choices=["1f1b", "gpipe", "1f1b_interleaved"])
+    p.add_argument("--recompute_modules", default=None, help="e.g. LlamaDecoderLayer (comma-separated)")
+    p.add_argument("--grad_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--micro_batch_size", type=int, default=1)
+    p.add_argument("--max_train_steps", type=int, default=1000)
+    p.add_argument("--seq_len", type=int, default=None, help="default: the dataset's, else 131072")
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--clip_gnorm", type=float, default=1.0)
+    p.add_argument("--precision", default="none", help="none (as built: fp32), bf16, fp16 or fp32")
+    p.add_argument("--use_zero", action="store_true", help="shard optimizer state over replicas")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gen_savedir", default="./.nnscaler")
+    p.add_argument("--checkpoint_dir", default=None, help="default: ./checkpoints/{name}")
+    p.add_argument("--no_save", action="store_true", help="save no checkpoints")
+    p.add_argument(
+        "--log_every", type=int, default=None, help="steps between progress lines (default: a tenth)"
+    )
+    p.add_argument("--offline", action="store_true", help="do not try Hugging Face (HF_HUB_OFFLINE=1)")
+    return p.parse_args(argv)
+
+
+def pas_config(args: argparse.Namespace) -> dict:
+    """The policy's options from the flags."""
+    cfg: dict = {}
+    if args.recompute_modules:
+        cfg["recompute_modules"] = args.recompute_modules
+    if args.pipeline_pivots or args.policy in ("pp", "hybrid"):
+        if args.policy not in PIPELINE_POLICIES and "." not in args.policy:
+            raise SystemExit(f"--pipeline_pivots needs --policy autodist, pp or hybrid, not {args.policy!r}")
+        if args.pipeline_pivots:
+            cfg["pipeline_pivots"] = args.pipeline_pivots
+        cfg["pipeline_nmicros"] = args.grad_accumulation_steps
+        cfg["pipeline_scheduler"] = args.pipeline_scheduler
+        if args.pipeline_nstages != "auto":
+            cfg["pipeline_nstages"] = int(args.pipeline_nstages)
+    return cfg
+
+
+def trainer_args(args: argparse.Namespace, config: dict, seq_len: int, runtime: int) -> dict:
+    """The TrainerArgs of the run, as a dict."""
+    compile_mode = args.run_mode == "compile"
+    if args.dataset_path:
+        dataset = {
+            "type": "examples.llama3_8B_128K.data.TokenDataset",
+            "train_args": {"path": args.dataset_path},
+        }
+    else:  # compile only: the shapes are all the trace needs
+        dataset = {"type": "examples.llama3_8B_128K.data.DummyDataset", "train_args": {"seq_len": seq_len}}
+    steps = args.max_train_steps
+    return {
+        "compute_config": {
+            "plan_ngpus": args.plan_ngpus,
+            "runtime_ngpus": runtime,
+            "use_zero": args.use_zero,
+            "pas_config": pas_config(args),
+        },
+        "pas_policy": args.policy,
+        "run_mode": args.run_mode,
+        "gen_savedir": args.gen_savedir,
+        "instance_name": args.name,
+        "seed": args.seed,
+        "precision": args.precision,
+        "model": {
+            "type": "examples.llama3_8B_128K.model.LlamaLM",
+            "args": {"model_id": args.model_id, "config": config, "meta": compile_mode},
+        },
+        "optimizer": {
+            "type": "torch.optim.AdamW",
+            "args": {"lr": args.lr, "fused": False},
+            "clip_gnorm": args.clip_gnorm,
+        },
+        "dataset": dataset,
+        "micro_batch_size": args.micro_batch_size,
+        "grad_accumulation_steps": args.grad_accumulation_steps,
+        "max_train_steps": steps,
+        "enable_progress_bar": False,
+        "log_progress_every_n_train_steps": args.log_every or max(steps // 10, 1),
+        "checkpoint": {
+            "save_dir": args.checkpoint_dir or f"./checkpoints/{args.name}",
+            "no_save": args.no_save,
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> object:
+    args = parse_args(argv)
+    if args.offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    rank = int(os.environ.get("RANK", 0))
+    compile_mode = args.run_mode == "compile"
+    world = int(os.environ.get("WORLD_SIZE", 0))
+    runtime = (
+        args.runtime_ngpus if args.runtime_ngpus > 0 else world or (args.plan_ngpus if compile_mode else 1)
+    )
+    seq_len = args.seq_len
+    if args.dataset_path:
+        meta = load_meta(args.dataset_path)
+        if seq_len and seq_len != meta.seq_len:
+            raise SystemExit(
+                f"--seq_len {seq_len} but {args.dataset_path} holds rows of {meta.seq_len} tokens"
+            )
+        seq_len = meta.seq_len
+    elif not compile_mode:
+        raise SystemExit(
+            "--dataset_path is required to train (create one with examples/llama3_8B_128K/bookcorpus.py)"
+        )
+    seq_len = seq_len or 131072
+    config = load_config(args.model_id, seq_len, verbose=rank == 0)
+    if args.dataset_path and meta.vocab_size > config.vocab_size:
+        raise SystemExit(
+            f"{args.dataset_path} has token ids up to {meta.vocab_size - 1} but {args.model_id} has a "
+            f"vocabulary of {config.vocab_size}; tokenize with the model's tokenizer or create a larger model"
+        )
+
+    from nnscaler.cli.trainer import Trainer
+
+    trainer = Trainer(train_args=trainer_args(args, config.to_dict(), seq_len, runtime))
+    if rank == 0:
+        print(f"model {args.model_id}: {describe(config)}, sequences of {seq_len} tokens", flush=True)
+    t0 = time.perf_counter()
+    trainer.run()
+    seconds = time.perf_counter() - t0
+    if rank != 0:
+        return trainer
+    out = next(Path(args.gen_savedir).resolve().glob(f"_parallel_modules/**/LlamaLM/{args.name}"), None)
+    if compile_mode:
+        print(
+            f"compiled in {seconds:.1f}s: policy {args.policy!r}, plan {args.plan_ngpus}, runtime {runtime}"
+        )
+    else:
+        losses = trainer.losses
+        print(
+            f"train loss: first {losses[0]:.4f}  last {losses[-1]:.4f}  ({len(losses)} steps in {seconds:.1f}s)"
+        )
+    print(f"generated code: {out}/gencode{{0..{runtime - 1}}}.py", flush=True)
+    return trainer
+
+
+if __name__ == "__main__":
+    main()
