@@ -1,0 +1,241 @@
+"""Every command in the documentation either runs here or is listed with the reason it does not.
+
+Documents: README.md, docs/*.md, examples/*/README.md. Fenced code blocks are read in order.
+
+Conventions (an HTML comment on the last non-blank line before a fence; invisible when rendered):
+
+- ```python after `<!-- test: file NAME -->`: written to NAME in the document's scratch directory
+  (one temporary directory per document, shared by its blocks, in document order), so later
+  commands can run it.
+- ```python after `<!-- test: run -->`: a complete script, run with `python -` in that directory
+  (PYTHONPATH = repository root + the directory); it must exit 0 (the scripts assert what they show).
+- ```python after `<!-- test: excerpt PATH -->`: lines copied from a file that an earlier command
+  of the document generated (PATH, relative to the scratch directory); every line but `...` must
+  occur in that file, in the same order (so docs quoting generated code follow the code generator).
+- every other ```python block (excerpts aside) is a fragment: it must parse (`ast.parse`), nothing more.
+- ```bash / ```console / ```sh / ```shell: every command (a line, `$ ` prompt and `# comment`
+  removed, `\\` continuations joined, split on ` && `) must be a key of RUN (run in the scratch
+  directory, output checked against a regex) or of NOT_RUN (with the reason). A new command that
+  is in neither fails `test_every_doc_command_is_run_or_listed`: add it to one of them.
+
+RUN maps the command as written to the command actually run: the same, or shortened (fewer steps,
+fewer processes); `{python}` is this interpreter, `{repo}` the repository root.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "examples").glob("*/README.md")])
+SHELL = {"bash", "console", "sh", "shell"}
+
+NANOGPT = "run by tests/examples/test_nanogpt.py (4 processes, a few steps, offline data)"
+INSTALL = "installs packages: the test environment is already installed (.ci/run checks a fresh install)"
+TRAINER = "cfg.yaml is the partial example config above it; the Trainer is run by tests/cli/test_trainer.py"
+
+# command as written -> (command run, regex its stdout+stderr must match)
+RUN: dict[str, tuple[str, str]] = {
+    "torchrun --nproc_per_node 2 train_mlp.py": (
+        "{python} -m torch.distributed.run --standalone --nproc_per_node 2 train_mlp.py",
+        r"step 4 loss",
+    ),
+    "ls .nnscaler/_parallel_modules/__main__/MLP/_/": (
+        "ls .nnscaler/_parallel_modules/__main__/MLP/_/",
+        r"(?s)compute_config\.json.*fingerprint\.json.*gencode0\.py.*gencode1\.py.*graph\.json.*plan\.json",
+    ),
+    "torchrun --nproc_per_node 2 train_policy.py": (
+        "{python} -m torch.distributed.run --standalone --nproc_per_node 2 train_policy.py",
+        r"loss fell",
+    ),
+    "NNSCALER_LOG=info python gen_gpt.py": (
+        "NNSCALER_LOG=info {python} gen_gpt.py",
+        r"(?s)compiled examples.nanogpt.model.GPT: policy 'tp' over plan_ngpus=2.*gen_pp/_parallel_modules/examples/nanogpt/model/GPT/_/gencode\{0..1\}.py",
+    ),
+}
+
+# command as written -> why it is not run here
+NOT_RUN: dict[str, str] = {
+    "pip install torch==2.13.0": INSTALL,
+    "pip install -e .": INSTALL,
+    "pip install -e .[test]": INSTALL,
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": INSTALL,
+    "pytest -q": "the whole test suite: this file is part of it",
+    "torchrun --nproc_per_node 4 examples/nanogpt/train.py --plan_ngpus 2 --runtime_ngpus 4": NANOGPT,
+    "torchrun --nproc_per_node 4 examples/nanogpt/train.py --plan_ngpus 4 --policy pp --nmicros 4": NANOGPT,
+    "torchrun --nproc_per_node 4 -m nnscaler.cli.train -f examples/nanogpt/train_cli.yaml": NANOGPT,
+    "python examples/nanogpt/prepare.py": NANOGPT,
+    "nnscaler-train -f cfg.yaml": TRAINER,
+    "torchrun --nproc_per_node 4 -m nnscaler.cli.train -f cfg.yaml --compute_config.plan_ngpus 2": TRAINER,
+    "nnscaler-train -f cfg.yaml --run_mode compile": TRAINER,
+    "nnscaler-train merge checkpoints/last model.safetensors": "merges a checkpoint a training run wrote; run by tests/cli/test_checkpoint.py",
+    "nnscaler-train merge checkpoints/last merged.ckpt": "merges a checkpoint a training run wrote; run by tests/cli/test_checkpoint.py",
+}
+
+
+@dataclass
+class Block:
+    doc: Path
+    line: int
+    lang: str
+    text: str
+    marker: str = ""
+    commands: list[str] = field(default_factory=list)
+
+
+FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
+MARKER = re.compile(r"<!--\s*test:\s*(.*?)\s*-->")
+
+
+def blocks(doc: Path) -> list[Block]:
+    """The fenced code blocks of a Markdown file, with the test marker before each."""
+    lines = doc.read_text().splitlines()
+    out: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m or not m.group(2):
+            i += 1
+            continue
+        indent, lang, start = m.group(1), m.group(2).lower(), i
+        j = i + 1
+        while j < len(lines) and lines[j].strip() != "```":
+            j += 1
+        body = "\n".join(
+            line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : j]
+        )
+        prev = next((lines[k] for k in range(start - 1, -1, -1) if lines[k].strip()), "")
+        mm = MARKER.search(prev)
+        out.append(Block(doc, start + 1, lang, body + "\n", mm.group(1) if mm else ""))
+        i = j + 1
+    for b in out:
+        if b.lang in SHELL:
+            b.commands = shell_commands(b.text)
+    return out
+
+
+def shell_commands(text: str) -> list[str]:
+    """Commands of a shell block: prompts and comments dropped, continuations joined, split on &&."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    out = []
+    for line in joined.splitlines():
+        line = re.sub(r"^\s*\$ ", "", line)
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        if not line or line.startswith("#"):
+            continue
+        out.extend(c.strip() for c in line.split(" && ") if c.strip())
+    return out
+
+
+ALL_BLOCKS = [b for doc in DOCS for b in blocks(doc)]
+
+
+def _rel(doc: Path) -> str:
+    return str(doc.relative_to(REPO))
+
+
+def test_every_doc_command_is_run_or_listed():
+    missing = [
+        f"{_rel(b.doc)}:{b.line}: {c}"
+        for b in ALL_BLOCKS
+        for c in b.commands
+        if c not in RUN and c not in NOT_RUN
+    ]
+    assert not missing, (
+        "commands in the docs that tests/test_docs_commands.py neither runs (RUN) nor lists with a "
+        "reason (NOT_RUN):\n" + "\n".join(missing)
+    )
+    unknown_markers = [
+        f"{_rel(b.doc)}:{b.line}: {b.marker}"
+        for b in ALL_BLOCKS
+        if b.marker and not (b.marker == "run" or b.marker.startswith(("file ", "excerpt ")))
+    ]
+    assert not unknown_markers, f"unknown test markers: {unknown_markers}"
+
+
+def test_the_lists_name_only_commands_the_docs_have():
+    """A command removed from the docs is removed from RUN / NOT_RUN too (no stale entries)."""
+    present = {c for b in ALL_BLOCKS for c in b.commands}
+    stale = sorted(set(RUN) - present) + sorted(set(NOT_RUN) - present)
+    assert not stale, f"RUN / NOT_RUN list commands no document has: {stale}"
+
+
+def test_python_fragments_parse():
+    bad = []
+    for b in ALL_BLOCKS:
+        if b.lang == "python" and not b.marker.startswith("excerpt "):
+            try:
+                ast.parse(b.text)
+            except SyntaxError as exc:
+                bad.append(f"{_rel(b.doc)}:{b.line + (exc.lineno or 0)}: {exc.msg}")
+    assert not bad, "python blocks that do not parse:\n" + "\n".join(bad)
+
+
+def _env(workdir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(workdir), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("NNSCALER_LOG", None)
+    return env
+
+
+def _runnable_docs() -> list[Path]:
+    return [
+        doc
+        for doc in DOCS
+        if any(b.marker == "run" or any(c in RUN for c in b.commands) for b in blocks(doc))
+    ]
+
+
+def _check_excerpt(where: str, excerpt: str, path: Path) -> None:
+    assert path.exists(), f"{where}: the excerpt's file {path.name} was not generated"
+    lines = path.read_text().splitlines()
+    at = 0
+    for want in excerpt.splitlines():
+        if want.strip() in ("", "..."):
+            continue
+        found = next((i for i in range(at, len(lines)) if lines[i] == want), None)
+        assert found is not None, f"{where}: the excerpt line\n{want}\nis not in {path} (after line {at})"
+        at = found + 1
+
+
+@pytest.mark.parametrize("doc", _runnable_docs(), ids=_rel)
+def test_doc_runs(doc: Path, tmp_path: Path):
+    """The doc's files are written, its scripts and RUN commands run, in document order."""
+    env = _env(tmp_path)
+    for b in blocks(doc):
+        where = f"{_rel(doc)}:{b.line}"
+        if b.lang == "python" and b.marker.startswith("file "):
+            (tmp_path / b.marker[5:].strip()).write_text(b.text)
+        elif b.lang == "python" and b.marker.startswith("excerpt "):
+            _check_excerpt(where, b.text, tmp_path / b.marker[8:].strip())
+        elif b.lang == "python" and b.marker == "run":
+            proc = subprocess.run(
+                [sys.executable, "-"],
+                input=b.text,
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert proc.returncode == 0, f"{where}: the script failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+        for command in b.commands:
+            if command not in RUN:
+                continue
+            cmd, expect = RUN[command]
+            cmd = cmd.format(python=sys.executable, repo=REPO)
+            proc = subprocess.run(
+                cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+            )
+            out = proc.stdout + proc.stderr
+            assert proc.returncode == 0, f"{where}: `{cmd}` failed:\n{out[-4000:]}"
+            assert re.search(expect, out), f"{where}: `{cmd}` printed no match for {expect!r}:\n{out[-4000:]}"
