@@ -14,7 +14,7 @@ Conventions (an HTML comment on the last non-blank line before a fence; invisibl
   occur in that file, in the same order (so docs quoting generated code follow the code generator).
 - every other ```python block (excerpts aside) is a fragment: it must parse (`ast.parse`), nothing more.
 - ```bash / ```console / ```sh / ```shell: every command (a line, `$ ` prompt and `# comment`
-  removed, `\\` continuations joined, split on ` && `) must be a key of RUN (run in the scratch
+  removed, `\\` continuations joined, split on ` && `, runs of spaces made one) must be a key of RUN (run in the scratch
   directory, output checked against a regex) or of NOT_RUN (with the reason). A new command that
   is in neither fails `test_every_doc_command_is_run_or_listed`: add it to one of them.
 
@@ -40,6 +40,8 @@ SHELL = {"bash", "console", "sh", "shell"}
 
 NANOGPT = "run by tests/examples/test_nanogpt.py (4 processes, a few steps, offline data)"
 INSTALL = "installs packages: the test environment is already installed (.ci/run checks a fresh install)"
+LLAMA = "run by tests/examples/ for examples/llama3_8B_128K (being written alongside; the lead reconciles)"
+LLAMA_BIG = "Llama-3-8B at 128K tokens: downloads the model or data set and needs 8 GPUs (not run on CPU CI)"
 TRAINER = "cfg.yaml is the partial example config above it; the Trainer is run by tests/cli/test_trainer.py"
 
 # command as written -> (command run, regex its stdout+stderr must match)
@@ -73,6 +75,13 @@ NOT_RUN: dict[str, str] = {
     "torchrun --nproc_per_node 4 examples/nanogpt/train.py --plan_ngpus 4 --policy pp --nmicros 4": NANOGPT,
     "torchrun --nproc_per_node 4 -m nnscaler.cli.train -f examples/nanogpt/train_cli.yaml": NANOGPT,
     "python examples/nanogpt/prepare.py": NANOGPT,
+    "python examples/llama3_8B_128K/create_mini_model.py --output_dir ./llama3_mini": LLAMA,
+    "python examples/llama3_8B_128K/bookcorpus.py --offline --seq_len 128 --max_rows 512 --save_path ./bytes_128": LLAMA,
+    "torchrun --nproc_per_node 4 examples/llama3_8B_128K/train.py --plan_ngpus 2 --runtime_ngpus 4 --model_id ./llama3_mini --dataset_path ./bytes_128 --max_train_steps 30 --lr 1e-2": LLAMA,
+    "torchrun --nproc_per_node 4 examples/llama3_8B_128K/train.py --plan_ngpus 2 --runtime_ngpus 4 --model_id ./llama3_mini --dataset_path ./bytes_128 --max_train_steps 12 --lr 1e-2 --pipeline_pivots LlamaDecoderLayer --grad_accumulation_steps 4 --recompute_modules LlamaDecoderLayer": LLAMA,
+    "python examples/llama3_8B_128K/bookcorpus.py --data_name bookcorpus/bookcorpus --tokenizer meta-llama/Meta-Llama-3-8B --seq_len 131072 --save_path ./bookcorpus_llama3_128K": LLAMA_BIG,
+    "python examples/llama3_8B_128K/train.py --run_mode compile --plan_ngpus 8 --runtime_ngpus 8 --model_id meta-llama/Meta-Llama-3-8B --seq_len 131072 --policy tp --offline": LLAMA_BIG,
+    "torchrun --nnodes 1 --nproc_per_node 8 examples/llama3_8B_128K/train.py --plan_ngpus 8 --runtime_ngpus 8 --model_id meta-llama/Meta-Llama-3-8B --dataset_path ./bookcorpus_llama3_128K --precision bf16 --recompute_modules LlamaDecoderLayer --pipeline_pivots LlamaDecoderLayer --grad_accumulation_steps 8 --max_train_steps 1000 --lr 2e-5": LLAMA_BIG,
     "nnscaler-train -f cfg.yaml": TRAINER,
     "torchrun --nproc_per_node 4 -m nnscaler.cli.train -f cfg.yaml --compute_config.plan_ngpus 2": TRAINER,
     "nnscaler-train -f cfg.yaml --run_mode compile": TRAINER,
@@ -131,7 +140,7 @@ def shell_commands(text: str) -> list[str]:
         line = re.sub(r"\s+#.*$", "", line).strip()
         if not line or line.startswith("#"):
             continue
-        out.extend(c.strip() for c in line.split(" && ") if c.strip())
+        out.extend(" ".join(c.split()) for c in line.split(" && ") if c.strip())
     return out
 
 
