@@ -40,11 +40,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def stdlib_files() -> list[Path]:
+    """The Python standard library's top-level .py files, sorted (every machine reads the same)."""
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
 def stdlib_sources(max_chars: int) -> Iterator[str]:
-    """The Python standard library's .py files (sorted, so every machine reads the same text)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    """The texts of stdlib_files(), max_chars characters in all."""
     left = max_chars
-    for f in sorted(root.glob("*.py")):
+    for f in stdlib_files():
         if left <= 0:
             return
         text = f.read_text(encoding="utf-8", errors="replace")[:left]

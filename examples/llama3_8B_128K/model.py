@@ -45,10 +45,13 @@ LLAMA3_8B = {
 """config.json of meta-llama/Meta-Llama-3-8B (used when it cannot be fetched)."""
 
 
-def load_config(model_id: str, seq_len: int | None = None, verbose: bool = True) -> LlamaConfig:
+def load_config(
+    model_id: str, seq_len: int | None = None, verbose: bool = True, offline: bool = False
+) -> LlamaConfig:
     """The LlamaConfig of `model_id`, made ready for training on `seq_len`-token sequences:
     sdpa attention (causal, no materialised seq x seq mask), no KV cache, no dropout, and
-    max_position_embeddings raised to seq_len (the rotary frequencies do not depend on it)."""
+    max_position_embeddings raised to seq_len (the rotary frequencies do not depend on it).
+    `offline`: look only in the local Hugging Face cache."""
     path = Path(model_id)
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -59,7 +62,7 @@ def load_config(model_id: str, seq_len: int | None = None, verbose: bool = True)
         config = LlamaConfig.from_pretrained(path)
     else:
         try:
-            config = LlamaConfig.from_pretrained(model_id)
+            config = LlamaConfig.from_pretrained(model_id, local_files_only=offline)
         except Exception as err:  # no network, no cache, or a gated repository without a token
             if model_id != LLAMA3_8B_ID:
                 raise FileNotFoundError(

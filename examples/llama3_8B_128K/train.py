@@ -46,6 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model_id", default=LLAMA3_8B_ID, help="a Hugging Face id or a local dir with config.json"
     )
     p.add_argument(
+        "--num_layers", type=int, default=None, help="override num_hidden_layers (quick compile checks)"
+    )
+    p.add_argument(
         "--dataset_path", default=None, help="a dataset saved by bookcorpus.py (compile: optional)"
     )
     p.add_argument("--run_mode", default="run", choices=["run", "compile"])
@@ -57,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--pipeline_nstages", default="auto", help="pipeline stages ('auto': by the policy)")
     p.add_argument("--pipeline_scheduler", default="1f1b", choices=["1f1b", "gpipe", "1f1b_interleaved"])
+    p.add_argument(
+        "--cluster", default=None, help="autodist: cluster to plan for (e.g. h100x8; default: this machine)"
+    )
+    p.add_argument(
+        "--mem_constraint", type=float, default=None, help="autodist: GB per device a plan may use"
+    )
     p.add_argument("--recompute_modules", default=None, help="e.g. LlamaDecoderLayer (comma-separated)")
     p.add_argument("--grad_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--micro_batch_size", type=int, default=1)
@@ -73,24 +82,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--log_every", type=int, default=None, help="steps between progress lines (default: a tenth)"
     )
-    p.add_argument("--offline", action="store_true", help="do not try Hugging Face (HF_HUB_OFFLINE=1)")
+    p.add_argument("--offline", action="store_true", help="do not try to fetch from Hugging Face")
     return p.parse_args(argv)
 
 
 def pas_config(args: argparse.Namespace) -> dict:
-    """The policy's options from the flags."""
+    """The policy's options from the flags. Pipelines only with --pipeline_pivots (autodist) or the
+    pp / hybrid policies; autodist otherwise searches a single-stage plan."""
     cfg: dict = {}
     if args.recompute_modules:
         cfg["recompute_modules"] = args.recompute_modules
-    if args.pipeline_pivots or args.policy in ("pp", "hybrid"):
-        if args.policy not in PIPELINE_POLICIES and "." not in args.policy:
-            raise SystemExit(f"--pipeline_pivots needs --policy autodist, pp or hybrid, not {args.policy!r}")
+    if args.policy == "autodist":
+        if args.cluster:
+            cfg["cluster"] = args.cluster
+        if args.mem_constraint:
+            cfg["mem_constraint"] = args.mem_constraint
+    pipelined = bool(args.pipeline_pivots) or args.policy in ("pp", "hybrid")
+    if args.pipeline_pivots and args.policy not in PIPELINE_POLICIES and "." not in args.policy:
+        raise SystemExit(f"--pipeline_pivots needs --policy autodist, pp or hybrid, not {args.policy!r}")
+    if pipelined:
         if args.pipeline_pivots:
             cfg["pipeline_pivots"] = args.pipeline_pivots
         cfg["pipeline_nmicros"] = args.grad_accumulation_steps
         cfg["pipeline_scheduler"] = args.pipeline_scheduler
         if args.pipeline_nstages != "auto":
             cfg["pipeline_nstages"] = int(args.pipeline_nstages)
+    elif args.policy == "autodist":
+        cfg["pipeline_nstages"] = 1
     return cfg
 
 
@@ -142,8 +160,6 @@ def trainer_args(args: argparse.Namespace, config: dict, seq_len: int, runtime: 
 
 def main(argv: list[str] | None = None) -> object:
     args = parse_args(argv)
-    if args.offline:
-        os.environ["HF_HUB_OFFLINE"] = "1"
     rank = int(os.environ.get("RANK", 0))
     compile_mode = args.run_mode == "compile"
     world = int(os.environ.get("WORLD_SIZE", 0))
@@ -163,7 +179,9 @@ def main(argv: list[str] | None = None) -> object:
             "--dataset_path is required to train (create one with examples/llama3_8B_128K/bookcorpus.py)"
         )
     seq_len = seq_len or 131072
-    config = load_config(args.model_id, seq_len, verbose=rank == 0)
+    config = load_config(args.model_id, seq_len, verbose=rank == 0, offline=args.offline)
+    if args.num_layers:
+        config.num_hidden_layers = args.num_layers
     if args.dataset_path and meta.vocab_size > config.vocab_size:
         raise SystemExit(
             f"{args.dataset_path} has token ids up to {meta.vocab_size - 1} but {args.model_id} has a "

@@ -1,0 +1,140 @@
+"""examples/llama3_8B_128K end to end, offline: a mini model and a byte-level dataset, the documented
+CPU run (torchrun, 4 gloo processes, plan 2) shortened by flags, and `--run_mode compile` of the mini
+model and of the Llama-3-8B config (2 of its layers) at 128K tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from examples.llama3_8B_128K import bookcorpus, create_mini_model, train
+from examples.llama3_8B_128K.data import BOS, BYTE_VOCAB, EOS, TokenDataset, byte_decode
+
+ROOT = Path(__file__).resolve().parents[2]
+SEQ = 64
+GEN = "_parallel_modules/examples/llama3_8B_128K/model/LlamaLM"
+
+
+@pytest.fixture(scope="module")
+def mini(tmp_path_factory) -> tuple[Path, Path]:
+    """The mini model's directory and an offline dataset of SEQ-token rows."""
+    root = tmp_path_factory.mktemp("llama3")
+    create_mini_model.main(["--output_dir", str(root / "mini")])
+    bookcorpus.main(
+        ["--offline", "--seq_len", str(SEQ), "--max_rows", "256", "--save_path", str(root / "data")]
+    )
+    return root / "mini", root / "data"
+
+
+def test_mini_model_and_offline_dataset(mini, capsys):
+    model_dir, data_dir = mini
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"]) == (2, 128)
+    assert config["num_key_value_heads"] < config["num_attention_heads"]  # grouped-query attention
+    assert config["vocab_size"] >= BYTE_VOCAB and (model_dir / "model.safetensors").stat().st_size > 1e6
+    meta = json.loads((data_dir / "meta.json").read_text())
+    assert meta == {
+        "source": "python-stdlib-sources",
+        "tokenizer": "bytes",
+        "vocab_size": BYTE_VOCAB,
+        "seq_len": SEQ,
+        "rows": 256,
+    }
+    tokens = np.load(data_dir / "tokens.npy")
+    assert tokens.shape == (256, SEQ) and tokens.min() >= 0 and tokens.max() < BYTE_VOCAB
+    flat = tokens.ravel().tolist()
+    assert flat[0] == BOS and EOS in flat  # documents packed as BOS text EOS
+    first_doc = byte_decode(flat[1 : flat.index(EOS)])
+    assert first_doc == bookcorpus.stdlib_files()[0].read_text(encoding="utf-8")
+    sample = TokenDataset(str(data_dir))[3]
+    assert sample["labels"][:-1].tolist() == sample["input_ids"][1:].tolist()
+    assert sample["labels"][-1] == -100
+
+
+def _torchrun(args: list[str], cwd: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", *args]
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_torchrun_cpu_run_learns(mini, tmp_path):
+    model_dir, data_dir = mini
+    out = _torchrun(
+        [str(ROOT / "examples/llama3_8B_128K/train.py"), "--plan_ngpus", "2", "--runtime_ngpus", "4"]
+        + ["--model_id", str(model_dir), "--dataset_path", str(data_dir), "--max_train_steps", "20"]
+        + ["--lr", "1e-2", "--micro_batch_size", "4", "--log_every", "1", "--name", "mini"],
+        tmp_path,
+    )
+    losses = [float(x) for x in re.findall(r"step \d+/20  loss ([\d.]+)", out)]
+    assert len(losses) == 20, out
+    first, last = map(float, re.search(r"train loss: first ([\d.]+)\s+last ([\d.]+)", out).groups())
+    assert (first, last) == (losses[0], losses[-1])
+    assert first > 5.0  # about ln(264) from the random init
+    assert np.mean(losses[-5:]) < first - 2.0, losses
+    gen = tmp_path / ".nnscaler" / GEN / "mini"
+    assert sorted(p.name for p in gen.glob("gencode*.py")) == [f"gencode{r}.py" for r in range(4)]
+    assert f"generated code: {gen}/gencode{{0..3}}.py" in out
+    assert (tmp_path / "checkpoints/mini/last").exists()
+
+
+def _compile(argv: list[str], cwd: Path, monkeypatch) -> None:
+    monkeypatch.chdir(cwd)
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    train.main(["--run_mode", "compile", *argv])
+
+
+def test_compile_mini_plan2(mini, tmp_path, monkeypatch, capsys):
+    model_dir, data_dir = mini
+    _compile(
+        [
+            "--plan_ngpus",
+            "2",
+            "--model_id",
+            str(model_dir),
+            "--dataset_path",
+            str(data_dir),
+            "--policy",
+            "tp",
+        ],
+        tmp_path,
+        monkeypatch,
+    )
+    out = capsys.readouterr().out
+    gen = tmp_path / ".nnscaler" / GEN / "llama3_8B_128K"
+    assert sorted(p.name for p in gen.glob("gencode*.py")) == ["gencode0.py", "gencode1.py"]
+    assert f"generated code: {gen}/gencode{{0..1}}.py" in out
+    code = (gen / "gencode1.py").read_text()
+    assert code.count("is_causal=True") == 2  # one sdpa per layer, no mask tensor
+    assert "vocab_parallel_cross_entropy" in code  # the loss over tensor-parallel logits
+
+
+def test_compile_llama3_8b_config_at_128k(tmp_path, monkeypatch, capsys):
+    """Two of Llama-3-8B's layers on the meta device, 131072 tokens, 8 ranks: the 128K sequence is
+    traced without a seq x seq mask (the full 32 layers: the README's command, about 20 s)."""
+    _compile(
+        ["--plan_ngpus", "8", "--runtime_ngpus", "8", "--model_id", "meta-llama/Meta-Llama-3-8B"]
+        + ["--offline", "--seq_len", "131072", "--num_layers", "2", "--policy", "tp"],
+        tmp_path,
+        monkeypatch,
+    )
+    out = capsys.readouterr().out
+    assert "using the Llama-3-8B values built into" in out
+    assert '"hidden_size": 4096' in out and '"vocab_size": 128256' in out
+    gen = tmp_path / ".nnscaler" / GEN / "llama3_8B_128K"
+    assert sorted(p.name for p in gen.glob("gencode*.py")) == [f"gencode{r}.py" for r in range(8)]
+    code = (gen / "gencode3.py").read_text()
+    assert "local [1, 131072, 512] of [1, 131072, 4096]" in code  # q_proj column-parallel over 8
+    assert code.count("is_causal=True") == 2 and "131072, 131072" not in code
