@@ -248,3 +248,31 @@ def test_doc_runs(doc: Path, tmp_path: Path):
             out = proc.stdout + proc.stderr
             assert proc.returncode == 0, f"{where}: `{cmd}` failed:\n{out[-4000:]}"
             assert re.search(expect, out), f"{where}: `{cmd}` printed no match for {expect!r}:\n{out[-4000:]}"
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_links_resolve_and_the_index_lists_every_page():
+    """Relative links point at files that exist; docs/README.md lists every page; nothing points at
+    material users do not have."""
+    broken = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for target in LINK.findall(text):
+            if target.startswith(("http://", "https://", "mailto:", "#")):
+                continue
+            path = (doc.parent / target.split("#", 1)[0]).resolve()
+            if not path.exists():
+                broken.append(f"{_rel(doc)}: {target}")
+        assert "DESIGN.md" not in text and "shared/" not in text, (
+            f"{_rel(doc)} refers to files users never have"
+        )
+    assert not broken, f"broken links: {broken}"
+    index = (REPO / "docs" / "README.md").read_text()
+    unlisted = [
+        p.name
+        for p in sorted((REPO / "docs").glob("*.md"))
+        if p.name != "README.md" and f"]({p.name})" not in index
+    ]
+    assert not unlisted, f"docs/README.md does not list {unlisted}"
