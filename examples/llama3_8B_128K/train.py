@@ -1,8 +1,8 @@
 """Train (or only compile) Llama 3 on long sequences with nnscaler's CLI Trainer.
 
-    # compile the full Llama-3-8B at 128K tokens for 8 GPUs, here, without GPUs or torchrun
+    # compile the full Llama-3-8B at 128K tokens for 8 H100s, here, without GPUs or torchrun
     python examples/llama3_8B_128K/train.py --run_mode compile --plan_ngpus 8 --runtime_ngpus 8 \\
-        --model_id meta-llama/Meta-Llama-3-8B --seq_len 131072 --policy tp
+        --model_id meta-llama/Meta-Llama-3-8B --seq_len 131072 --cluster h100x8 --offline
     # train a mini model on 4 CPU processes: 2-way plan, 2 data-parallel replicas
     torchrun --nproc_per_node 4 examples/llama3_8B_128K/train.py --plan_ngpus 2 --runtime_ngpus 4 \\
         --model_id ./llama3_mini --dataset_path ./bytes_128 --max_train_steps 40 --lr 1e-2
@@ -40,7 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan_ngpus", type=int, required=True, help="devices one copy of the plan spans")
     p.add_argument("--runtime_ngpus", type=int, default=-1, help="-1: $WORLD_SIZE (compile: plan_ngpus)")
     p.add_argument(
-        "--name", default="llama3_8B_128K", help="run name: instance of the generated code, checkpoints"
+        "--name",
+        default=None,
+        help="run name: instance of the generated code, checkpoints (default: {model}_{seq_len})",
     )
     p.add_argument(
         "--model_id", default=LLAMA3_8B_ID, help="a Hugging Face id or a local dir with config.json"
@@ -77,8 +79,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--use_zero", action="store_true", help="shard optimizer state over replicas")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gen_savedir", default="./.nnscaler")
+    p.add_argument(
+        "--gen_reuse",
+        default="moo",
+        choices=["moo", "match", "override", "graph"],
+        help="moo: regenerate when the model, inputs, policy or config differ; match: refuse then",
+    )
     p.add_argument("--checkpoint_dir", default=None, help="default: ./checkpoints/{name}")
     p.add_argument("--no_save", action="store_true", help="save no checkpoints")
+    p.add_argument(
+        "--resume_from", default=None, help="last, best or a checkpoint directory (default: start afresh)"
+    )
     p.add_argument(
         "--log_every", type=int, default=None, help="steps between progress lines (default: a tenth)"
     )
@@ -133,6 +144,7 @@ def trainer_args(args: argparse.Namespace, config: dict, seq_len: int, runtime: 
         "pas_policy": args.policy,
         "run_mode": args.run_mode,
         "gen_savedir": args.gen_savedir,
+        "gen_reuse": args.gen_reuse,
         "instance_name": args.name,
         "seed": args.seed,
         "precision": args.precision,
@@ -153,7 +165,8 @@ def trainer_args(args: argparse.Namespace, config: dict, seq_len: int, runtime: 
         "log_progress_every_n_train_steps": args.log_every or max(steps // 10, 1),
         "checkpoint": {
             "save_dir": args.checkpoint_dir or f"./checkpoints/{args.name}",
-            "no_save": args.no_save,
+            "no_save": args.no_save or compile_mode,  # compiling writes no checkpoint: check none
+            **({"resume_from": args.resume_from} if args.resume_from else {}),
         },
     }
 
@@ -179,6 +192,7 @@ def main(argv: list[str] | None = None) -> object:
             "--dataset_path is required to train (create one with examples/llama3_8B_128K/bookcorpus.py)"
         )
     seq_len = seq_len or 131072
+    args.name = args.name or f"{Path(args.model_id.rstrip('/')).name}_{seq_len}"
     config = load_config(args.model_id, seq_len, verbose=rank == 0, offline=args.offline)
     if args.num_layers:
         config.num_hidden_layers = args.num_layers
@@ -188,6 +202,12 @@ def main(argv: list[str] | None = None) -> object:
             f"vocabulary of {config.vocab_size}; tokenize with the model's tokenizer or create a larger model"
         )
 
+    if compile_mode and args.policy == "autodist" and not args.cluster and rank == 0:
+        print(
+            "note: autodist plans for the devices of this machine; pass --cluster (e.g. h100x8) to plan "
+            "for the GPUs the generated code will run on",
+            flush=True,
+        )
     from nnscaler.cli.trainer import Trainer
 
     trainer = Trainer(train_args=trainer_args(args, config.to_dict(), seq_len, runtime))

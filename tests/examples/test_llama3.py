@@ -1,6 +1,6 @@
 """examples/llama3_8B_128K end to end, offline: a mini model and a byte-level dataset, the documented
 CPU run (torchrun, 4 gloo processes, plan 2) shortened by flags, and `--run_mode compile` of the mini
-model and of the Llama-3-8B config (2 of its layers) at 128K tokens."""
+model, and of Llama-3-8B at 128K tokens for 8 ranks."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def test_compile_mini_plan2(mini, tmp_path, monkeypatch, capsys):
         monkeypatch,
     )
     out = capsys.readouterr().out
-    gen = tmp_path / ".nnscaler" / GEN / "llama3_8B_128K"
+    gen = tmp_path / ".nnscaler" / GEN / f"mini_{SEQ}"  # the default --name: {model dir}_{seq_len}
     assert sorted(p.name for p in gen.glob("gencode*.py")) == ["gencode0.py", "gencode1.py"]
     assert f"generated code: {gen}/gencode{{0..1}}.py" in out
     code = (gen / "gencode1.py").read_text()
@@ -121,20 +121,22 @@ def test_compile_mini_plan2(mini, tmp_path, monkeypatch, capsys):
     assert "vocab_parallel_cross_entropy" in code  # the loss over tensor-parallel logits
 
 
-def test_compile_llama3_8b_config_at_128k(tmp_path, monkeypatch, capsys):
-    """Two of Llama-3-8B's layers on the meta device, 131072 tokens, 8 ranks: the 128K sequence is
-    traced without a seq x seq mask (the full 32 layers: the README's command, about 20 s)."""
+def test_compile_llama3_8b_at_128k_for_8_ranks(tmp_path, monkeypatch, capsys):
+    """The README's full-size compile (with --policy tp, the faster one): all 32 layers of Llama-3-8B on
+    the meta device, 131072 tokens, 8 ranks, traced without a seq x seq mask."""
     _compile(
         ["--plan_ngpus", "8", "--runtime_ngpus", "8", "--model_id", "meta-llama/Meta-Llama-3-8B"]
-        + ["--offline", "--seq_len", "131072", "--num_layers", "2", "--policy", "tp"],
+        + ["--offline", "--seq_len", "131072", "--policy", "tp"],
         tmp_path,
         monkeypatch,
     )
     out = capsys.readouterr().out
     assert "using the Llama-3-8B values built into" in out
-    assert '"hidden_size": 4096' in out and '"vocab_size": 128256' in out
-    gen = tmp_path / ".nnscaler" / GEN / "llama3_8B_128K"
+    assert '"num_hidden_layers": 32, "hidden_size": 4096' in out and '"vocab_size": 128256' in out
+    gen = tmp_path / ".nnscaler" / GEN / "Meta-Llama-3-8B_131072"
     assert sorted(p.name for p in gen.glob("gencode*.py")) == [f"gencode{r}.py" for r in range(8)]
+    assert f"generated code: {gen}/gencode{{0..7}}.py" in out
     code = (gen / "gencode3.py").read_text()
     assert "local [1, 131072, 512] of [1, 131072, 4096]" in code  # q_proj column-parallel over 8
-    assert code.count("is_causal=True") == 2 and "131072, 131072" not in code
+    assert code.count("is_causal=True") == 32 and "131072, 131072" not in code
+    assert "vocab_parallel_cross_entropy" in code
