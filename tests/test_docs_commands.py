@@ -20,7 +20,13 @@ Conventions (an HTML comment on the last non-blank line before a fence; invisibl
   is in neither fails `test_every_doc_command_is_run_or_listed`: add it to one of them.
 
 RUN maps the command as written to the command actually run: the same, or shortened (fewer steps,
-fewer processes); `{python}` is this interpreter, `{repo}` the repository root.
+fewer processes); `{python}` is this interpreter, `{repo}` the repository root. Substitutions made
+for every run: `torchrun` is `python -m torch.distributed.run --standalone` (no rendezvous port to
+pick); the working directory is the document's scratch directory, with the repository root on
+PYTHONPATH (so `examples` imports as from the root); OMP_NUM_THREADS=1; NNSCALER_LOG unset unless
+the command sets it. Budget: the whole file under a minute on 2 cores (tiny models, 2 processes).
+Also checked: relative links resolve, docs/README.md lists every page, no page refers to files
+users do not have.
 """
 
 from __future__ import annotations
