@@ -225,9 +225,14 @@ def main(argv: list[str] | None = None) -> object:
         )
     else:
         losses = trainer.losses
-        print(
-            f"train loss: first {losses[0]:.4f}  last {losses[-1]:.4f}  ({len(losses)} steps in {seconds:.1f}s)"
-        )
+        if losses:
+            print(
+                f"train loss: first {losses[0]:.4f}  last {losses[-1]:.4f}  ({len(losses)} steps in {seconds:.1f}s)"
+            )
+        else:
+            print(
+                f"no training step ran: the run is at step {trainer.train_status['step']} of --max_train_steps {args.max_train_steps}"
+            )
     print(f"generated code: {out}/gencode{{0..{runtime - 1}}}.py", flush=True)
     return trainer
 

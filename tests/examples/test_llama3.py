@@ -58,6 +58,26 @@ def test_mini_model_and_offline_dataset(mini, capsys):
     assert sample["labels"][-1] == -100
 
 
+def test_bookcorpus_falls_back_to_the_byte_tokenizer_saying_so(tmp_path, monkeypatch, capsys):
+    def no_hub(data_name, tokenizer):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(bookcorpus, "hf_docs", no_hub)
+    text = tmp_path / "book.txt"
+    text.write_text("Call me Ishmael. \u00e9t\u00e9\n" * 40, encoding="utf-8")
+    meta = bookcorpus.main(
+        ["--data_name", "bookcorpus", "--tokenizer", "meta-llama/Meta-Llama-3-8B", "--seq_len", "100"]
+        + ["--text_file", str(text), "--save_path", str(tmp_path / "out")]
+    )
+    said = capsys.readouterr().out
+    assert "could not read bookcorpus with meta-llama/Meta-Llama-3-8B (OSError" in said
+    assert f"offline: tokenizing {text} with the byte-level tokenizer" in said
+    ids = [BOS, *text.read_bytes(), EOS]
+    rows = np.load(tmp_path / "out/tokens.npy")
+    assert (meta.rows, meta.source) == (len(ids) // 100, str(text)) and rows.shape == (meta.rows, 100)
+    assert rows.ravel().tolist() == ids[: meta.rows * 100]  # packed in order, the remainder dropped
+
+
 def _torchrun(args: list[str], cwd: Path) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
