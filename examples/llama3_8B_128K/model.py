@@ -1,10 +1,12 @@
 """The Llama model the trainer parallelizes: HF `LlamaForCausalLM` behind a causal-LM loss.
 
-`LlamaLM(model_id, config, seq_len, meta)` builds the HF model from `config` (a dict) or `model_id`'s (a local directory
-with config.json, a Hugging Face id, or `meta-llama/Meta-Llama-3-8B` from the values hard-coded
-below when it cannot be fetched). Weights are loaded when the directory holds them and `meta` is
-False; otherwise the model is randomly initialised (on the meta device when `meta`: nothing is
-allocated, for `--run_mode compile`).
+`LlamaLM(model_id, config, seq_len, meta)` builds the HF model from `config` (a dict) or from
+`model_id`'s config (a local directory with config.json, a Hugging Face id, or
+`meta-llama/Meta-Llama-3-8B` from the values hard-coded below when it cannot be fetched). Weights
+are loaded when `model_id` is a local directory that holds them (safetensors or pytorch_model*.bin)
+and `meta` is False; otherwise the model is randomly initialised (a Hugging Face id gives only the
+config: download the weights once, `huggingface-cli download ID --local-dir DIR`, and pass DIR);
+on the meta device when `meta` (nothing is allocated: for `--run_mode compile`).
 
 The forward returns the mean token cross-entropy of the micro-batch. The rows are packed to a fixed
 length (bookcorpus.py), so every micro-batch has the same number of target tokens and the trainer's
@@ -107,10 +109,8 @@ class LlamaLM(torch.nn.Module):
                 self.model = LlamaForCausalLM(config)
         elif has_weights(model_id):
             self.model = LlamaForCausalLM.from_pretrained(model_id, config=config, dtype=torch.float32)
-        elif Path(model_id).is_dir() or model_id == LLAMA3_8B_ID:
+        else:  # a Hugging Face id (config only) or a directory without weights
             self.model = LlamaForCausalLM(config)  # random init (seeded by the trainer)
-        else:
-            self.model = LlamaForCausalLM.from_pretrained(model_id, config=config)
         self.vocab_size = config.vocab_size
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -154,7 +154,7 @@ def trainer_args(args: argparse.Namespace, config: dict, seq_len: int, runtime: 
         },
         "optimizer": {
             "type": "torch.optim.AdamW",
-            "args": {"lr": args.lr, "fused": False},
+            "args": {"lr": args.lr},
             "clip_gnorm": args.clip_gnorm,
         },
         "dataset": dataset,

@@ -58,6 +58,24 @@ def test_mini_model_and_offline_dataset(mini, capsys):
     assert sample["labels"][-1] == -100
 
 
+def test_llama_lm_loads_local_weights_and_builds_meta(mini):
+    import torch
+    from safetensors.torch import load_file
+
+    from examples.llama3_8B_128K.model import LlamaLM
+
+    model_dir, data_dir = mini
+    saved = load_file(model_dir / "model.safetensors")
+    model = LlamaLM(str(model_dir))
+    assert all(torch.equal(model.model.state_dict()[k], v) for k, v in saved.items())
+    batch = {k: v[None] for k, v in TokenDataset(str(data_dir))[0].items()}
+    logits = model.model(input_ids=batch["input_ids"]).logits[0, :-1]
+    expected = torch.nn.functional.cross_entropy(logits, batch["input_ids"][0, 1:])
+    torch.testing.assert_close(model(**batch), expected)  # the mean next-token loss
+    meta = LlamaLM(str(model_dir), meta=True)
+    assert all(p.is_meta for p in meta.parameters())
+
+
 def test_bookcorpus_falls_back_to_the_byte_tokenizer_saying_so(tmp_path, monkeypatch, capsys):
     def no_hub(data_name, tokenizer):
         raise OSError("Name or service not known")
