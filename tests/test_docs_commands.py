@@ -13,7 +13,9 @@ Conventions (an HTML comment on the last non-blank line before a fence; invisibl
   of the document generated (PATH, relative to the scratch directory); every line but `...` must
   occur in that file, in the same order (so docs quoting generated code follow the code generator).
 - every other ```python block (excerpts aside) is a fragment: it must parse (`ast.parse`), nothing more.
-- ```bash / ```console / ```sh / ```shell: every command (a line, `$ ` prompt and `# comment`
+- ```bash / ```console / ```sh / ```shell, and fences without a language whose lines start like
+  a command (python, torchrun, nnscaler-train, pip, pytest, ls, cd; other lines are taken for
+  output): every command (a line, `$ ` prompt and `# comment`
   removed, `\\` continuations joined, split on ` && `, runs of spaces made one) must be a key of RUN (run in the scratch
   directory, output checked against a regex) or of NOT_RUN (with the reason), or match one of
   NOT_RUN_PATTERNS (examples still being written alongside; with the reason). A new command that
@@ -67,6 +69,10 @@ RUN: dict[str, tuple[str, str]] = {
         "NNSCALER_LOG=info {python} gen_gpt.py",
         r"(?s)compiled examples.nanogpt.model.GPT: policy 'tp' over plan_ngpus=2.*gen_pp/_parallel_modules/examples/nanogpt/model/GPT/_/gencode\{0..1\}.py",
     ),
+    "python -m nnscaler.plan --model tests.zoo.build_gpt --cluster h100x8 --at idx_size0=16,targets_size0=16": (
+        "{python} -m nnscaler.plan --model tests.zoo.build_gpt --cluster h100x8 --at idx_size0=16,targets_size0=16",
+        r"Forward FLOPs of one call: .*idx_size0.*\nAt idx_size0=16,targets_size0=16: predicted step",
+    ),
 }
 
 # command as written -> why it is not run here
@@ -80,6 +86,13 @@ NOT_RUN: dict[str, str] = {
     "torchrun --nproc_per_node 4 examples/nanogpt/train.py --plan_ngpus 4 --policy pp --nmicros 4": NANOGPT,
     "torchrun --nproc_per_node 4 -m nnscaler.cli.train -f examples/nanogpt/train_cli.yaml": NANOGPT,
     "python examples/nanogpt/prepare.py": NANOGPT,
+    "python -m nnscaler.plan --model tests.zoo.build_llama --cluster h100x8": (
+        "the same planner CLI as the build_gpt command of the same page, which is run (a Llama would add "
+        "seconds); tests/compiler/test_autodist_report.py runs the CLI"
+    ),
+    "python -m nnscaler.plan --hf-config llama3_70b.json --seq 8192 --batch 64 --cluster h100x64_ib --bf16": (
+        "needs a Llama-3-70B config.json the reader supplies (no download in tests); not covered by a test"
+    ),
     "nnscaler-train -f cfg.yaml": TRAINER,
     "torchrun --nproc_per_node 4 -m nnscaler.cli.train -f cfg.yaml --compute_config.plan_ngpus 2": TRAINER,
     "nnscaler-train -f cfg.yaml --run_mode compile": TRAINER,
@@ -113,6 +126,7 @@ class Block:
 
 
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
+COMMAND_START = re.compile(r"^(\w+=\S+ )*(python|torchrun|nnscaler-train|pip|pytest|ls|cd)\b")
 MARKER = re.compile(r"<!--\s*test:\s*(.*?)\s*-->")
 
 
@@ -123,7 +137,7 @@ def blocks(doc: Path) -> list[Block]:
     i = 0
     while i < len(lines):
         m = FENCE.match(lines[i])
-        if not m or not m.group(2):
+        if not m:
             i += 1
             continue
         indent, lang, start = m.group(1), m.group(2).lower(), i
@@ -140,6 +154,8 @@ def blocks(doc: Path) -> list[Block]:
     for b in out:
         if b.lang in SHELL:
             b.commands = shell_commands(b.text)
+        elif not b.lang:  # a fence without a language: its command lines (the rest is their output)
+            b.commands = [c for c in shell_commands(b.text) if COMMAND_START.match(c)]
     return out
 
 
