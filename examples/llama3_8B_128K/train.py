@@ -209,12 +209,16 @@ def main(argv: list[str] | None = None) -> object:
             flush=True,
         )
     from nnscaler.cli.trainer import Trainer
+    from nnscaler.runtime import uninit
 
     trainer = Trainer(train_args=trainer_args(args, config.to_dict(), seq_len, runtime))
     if rank == 0:
         print(f"model {args.model_id}: {describe(config)}, sequences of {seq_len} tokens", flush=True)
     t0 = time.perf_counter()
-    trainer.run()
+    try:
+        trainer.run()
+    finally:
+        uninit()  # destroy the process group before exit (no-op in compile mode)
     seconds = time.perf_counter() - t0
     if rank != 0:
         return trainer
