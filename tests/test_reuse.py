@@ -231,3 +231,29 @@ def test_reuse_graph_with_another_model_raises(pkg, tmp_path):
     parallelize(edited, _x(), "dp", ComputeConfig(1, 1), gen_savedir=save, reuse="moo", load_module=False)
     pm = parallelize(edited, _x(), "dp", ComputeConfig(1, 1), gen_savedir=save, reuse="graph")
     torch.testing.assert_close(pm(**_x(3)), edited(**_x(3)))
+
+
+def test_source_digest_is_the_same_in_every_process():
+    """A set literal in a membership test compiles to a frozenset constant whose order follows the
+    string hash seed: the digest must not (reuse='match' would refuse code compiled by another process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from nnscaler.parallel import sources\n"
+        "def f(x):\n"
+        "    return x in {'alpha', 'beta', 'gamma', 'delta', 'epsilon', 'zeta'}\n"
+        "print(sources.digest(f))\n"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout.strip()
+        for seed in (1, 2, 3)
+    }
+    assert len(digests) == 1, digests

@@ -72,9 +72,21 @@ def _installed(root: str) -> bool:
     return any(path.is_relative_to(d) for d in _site_dirs())
 
 
+def _const_text(value: Any) -> str:
+    """A code constant's text; a frozenset's (`x in {"a", "b"}`) sorted, since its order follows the
+    process's string hash seed and would make the digest differ between processes."""
+    if isinstance(value, types.CodeType):
+        return _code_text(value)
+    if isinstance(value, frozenset):
+        return "frozenset(" + repr(sorted(_const_text(v) for v in value)) + ")"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_const_text(v) for v in value) + ",)"
+    return repr(value)
+
+
 def _code_text(code: types.CodeType) -> str:
     """A line-number-free text of a code object and the code objects nested in it."""
-    consts = [_code_text(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
+    consts = [_const_text(c) for c in code.co_consts]
     return f"{code.co_code.hex()}|{code.co_names}|{code.co_varnames}|{code.co_freevars}|{consts}"
 
 

@@ -20,6 +20,7 @@ from nnscaler.runtime.zero import ZeroOptimizer
 
 __all__ = [
     "build_optimizer",
+    "attach_optimizer",
     "parallel_modules",
     "param_names",
     "outer_parameters",
@@ -162,6 +163,33 @@ def build_optimizer(
         params: list[nn.Parameter] = module.parameters_for_optimizer()
     else:
         params = list(module.parameters())
+    built: list[torch.optim.Optimizer] = []
+    sync, clip = _step_hooks(module, built)
+    if any(pm.reducer is not None and pm.reducer.zero for _, pm in parallel_modules(module)):
+        zero = ZeroOptimizer(module, params, optimizer_fn, sync, clip, lambda: param_names(module), **kwargs)
+        _check_fp32_grads(module, zero)
+        built.append(zero)
+        return zero
+    return _attach(module, optimizer_fn(params, **kwargs), built, sync, clip)
+
+
+def attach_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Give an optimizer built elsewhere over `module`'s parameters (e.g. by a LightningModule's
+    configure_optimizers) what build_optimizer gives its own: gradients synced before each step,
+    parameter names in its state dict (for merge_state_dicts), `optimizer.clip_gnorm`. Not with ZeRO,
+    whose optimizer must be built on the parameters' slices (use build_optimizer)."""
+    if any(pm.reducer is not None and pm.reducer.zero for _, pm in parallel_modules(module)):
+        raise ConfigError(
+            "attach_optimizer: the module runs with ZeRO (ComputeConfig.use_zero), whose optimizer works on "
+            "slices of the parameters; build it with nnscaler.build_optimizer(module, OptimizerClass, ...)"
+        )
+    built: list[torch.optim.Optimizer] = []
+    sync, clip = _step_hooks(module, built)
+    return _attach(module, optimizer, built, sync, clip)
+
+
+def _step_hooks(module: nn.Module, built: list[torch.optim.Optimizer]):
+    """(sync, clip) for the optimizer that will be appended to `built`."""
     outer = outer_parameters(module)
     synced = {"outer": False}
 
@@ -172,8 +200,6 @@ def build_optimizer(
         if not synced["outer"]:
             average_gradients(outer, _world())
         synced["outer"] = False
-
-    built: list[torch.optim.Optimizer] = []
 
     def clip(max_norm: float | None = None) -> torch.Tensor:
         mp = find_mixed_precision(built[0]) if built else None
@@ -186,13 +212,10 @@ def build_optimizer(
         synced["outer"] = True
         return norm
 
-    if any(pm.reducer is not None and pm.reducer.zero for _, pm in parallel_modules(module)):
-        zero = ZeroOptimizer(module, params, optimizer_fn, sync, clip, lambda: param_names(module), **kwargs)
-        _check_fp32_grads(module, zero)
-        built.append(zero)
-        return zero
+    return sync, clip
 
-    optimizer = optimizer_fn(params, **kwargs)
+
+def _attach(module, optimizer, built, sync, clip) -> torch.optim.Optimizer:
     _check_fp32_grads(module, optimizer)
     built.append(optimizer)
 

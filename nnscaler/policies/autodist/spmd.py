@@ -299,6 +299,11 @@ def _solve(
     solve_s = time.perf_counter() - t1
     if pulp.LpStatus[status] != "Optimal":
         limit = "no memory limit" if mem_limit is None else f"{mem_limit / 1e9:.2f} GB per device"
+        if mem_limit is not None and mem_limit <= 0:
+            limit = (
+                f"the memory left per device ({mem_limit / 1e9:.2f} GB once transient buffers and what a "
+                "pipeline stage keeps are set aside: the device limit is smaller than they are)"
+            )
         raise PlanError(
             f"autodist found no partition over {ctx.ways} devices within {limit} (solver status "
             f"{pulp.LpStatus[status]}): raise pas_config['mem_constraint'], use more devices, recompute "
