@@ -69,6 +69,10 @@ RUN: dict[str, tuple[str, str]] = {
         "NNSCALER_LOG=info {python} gen_gpt.py",
         r"(?s)compiled examples.nanogpt.model.GPT: policy 'tp' over plan_ngpus=2.*gen_pp/_parallel_modules/examples/nanogpt/model/GPT/_/gencode\{0..1\}.py",
     ),
+    "torchrun --nproc_per_node 2 train_lightning.py": (
+        "{python} -m torch.distributed.run --standalone --nproc_per_node 2 train_lightning.py",
+        r"merged \['body.0.bias', 'body.0.weight', 'body.2.bias', 'body.2.weight'\] loss",
+    ),
     "python -m nnscaler.plan --model tests.zoo.build_gpt --cluster h100x8 --at idx_size0=16,targets_size0=16": (
         "{python} -m nnscaler.plan --model tests.zoo.build_gpt --cluster h100x8 --at idx_size0=16,targets_size0=16",
         r"Forward FLOPs of one call: .*idx_size0.*\nAt idx_size0=16,targets_size0=16: predicted step",

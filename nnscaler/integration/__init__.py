@@ -1,0 +1,1 @@
+"""Integrations of nnscaler with training frameworks (Lightning: `nnscaler.integration.lightning`)."""

@@ -1,0 +1,1 @@
+"""Lightning integration: `nnscaler.integration.lightning.pytorch` (needs `pip install nnscaler[lightning]`)."""

@@ -1,0 +1,1 @@
+"""Lightning Fabric: not supported yet (nnScaler 0.8 ships this package empty too)."""
