@@ -81,3 +81,8 @@ def test_bad_arguments_are_named():
         NnScalerStrategy(pas_policy="tp")
     with pytest.raises(ConfigError, match="state_dict_type='full'"):
         NnScalerStrategy(compute_config=ComputeConfig(1, 1), pas_policy="dp", state_dict_type="full")
+    strategy = NnScalerStrategy(compute_config=ComputeConfig(1, 1), pas_policy="dp")
+    plain = Regressor()
+    plain.dummy_forward_args = None
+    with pytest.raises(ConfigError, match="Regressor needs `dummy_forward_args`.*dummy_forward_args_fn"):
+        strategy._dummy_forward_args(None, plain)
