@@ -13,7 +13,7 @@ import torch
 
 from nnscaler.errors import ConfigError
 from nnscaler.integration.lightning.pytorch import NnScalerPrecision, NnScalerStrategy
-from tests.integration.lightning_case import Regressor, reference_weights
+from tests.integration.lightning_case import Regressor, loader, reference_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,3 +86,20 @@ def test_bad_arguments_are_named():
     plain.dummy_forward_args = None
     with pytest.raises(ConfigError, match="Regressor needs `dummy_forward_args`.*dummy_forward_args_fn"):
         strategy._dummy_forward_args(None, plain)
+
+
+def test_world_size_must_be_runtime_ngpus():
+    import lightning.pytorch as pl
+
+    from nnscaler import ComputeConfig
+
+    saved = dict(os.environ)  # Lightning's launcher sets MASTER_ADDR, LOCAL_RANK, ... here
+    try:
+        strategy = NnScalerStrategy(compute_config=ComputeConfig(1, 2), pas_policy="dp")
+        with pytest.raises(ConfigError, match="runs 1 processes .* compute_config.runtime_ngpus is 2"):
+            trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, max_steps=1)
+            trainer.fit(Regressor(), loader())
+        assert not torch.distributed.is_initialized()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -94,13 +94,16 @@ class NnScalerStrategy(DDPStrategy):
 
     # -- processes -------------------------------------------------------------------------------
 
-    def setup_environment(self) -> None:
-        super().setup_environment()
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()  # checked here: before the process group is created
         if self.world_size != self.compute_config.runtime_ngpus:
             raise ConfigError(
                 f"NnScalerStrategy: Lightning runs {self.world_size} processes (devices x num_nodes) but "
                 f"compute_config.runtime_ngpus is {self.compute_config.runtime_ngpus}: make them equal"
             )
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
         nnscaler.init()  # the process group is up (Lightning's); nnscaler binds its device and state
 
     @property
