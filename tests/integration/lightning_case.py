@@ -4,6 +4,7 @@ resume) and Lightning's DDP, saving a checkpoint after each run."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -44,6 +45,7 @@ class Regressor(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         loss = self(**batch)
         self.log("train_loss", loss, sync_dist=True)
+        self.log("replicas", torch.tensor(1.0), sync_dist=True, reduce_fx="sum")
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -128,6 +130,8 @@ def main(out: Path) -> None:
         trainer = _trainer(strategy, 3, out, plugins=plugins)
         trainer.fit(Regressor(), loader(), loader())
         trainer.save_checkpoint(out / f"{name}.ckpt")
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        (out / f"{name}_metrics.json").write_text(json.dumps(metrics))
     # interrupted at the end of an epoch of 2 steps, resumed for 2 more
     strategy, plugins = _nnscaler("tp", 2, out, "tp")
     trainer = _trainer(strategy, 2, out, plugins=plugins, limit_train_batches=2)

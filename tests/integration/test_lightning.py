@@ -3,6 +3,7 @@ saves per-rank checkpoints that resume exactly and merge into the plain module's
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -50,6 +51,13 @@ def test_parity_with_one_device(runs, tmp_path, name, replicas):
     _close(merged["state_dict"], reference_weights(3, replicas), f"{name} vs one device")
     plain = Regressor()
     plain.load_state_dict(merged["state_dict"])  # strict: the merged names are the module's own
+
+
+def test_logged_values_reduce_over_replicas(runs):
+    """sync_dist sums over data-parallel replicas only; the mean loss is the same for every plan."""
+    got = {n: json.loads((runs / f"{n}_metrics.json").read_text()) for n in ("dp", "tp", "pp")}
+    assert [got[n]["replicas"] for n in ("dp", "tp", "pp")] == [2.0, 1.0, 1.0]
+    assert got["pp"]["train_loss"] == pytest.approx(got["tp"]["train_loss"], rel=1e-5)
 
 
 def test_dp_matches_lightning_ddp(runs, tmp_path):

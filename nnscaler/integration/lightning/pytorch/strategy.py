@@ -29,6 +29,7 @@ from nnscaler.config import ComputeConfig
 from nnscaler.errors import ConfigError
 from nnscaler.integration.lightning.pytorch import checkpoint as ckpt
 from nnscaler.runtime import deduped_state_dict, load_deduped_state_dict
+from nnscaler.runtime.groups import create_groups, get_group
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.optimizer import attach_optimizer
 
@@ -104,7 +105,26 @@ class NnScalerStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        nnscaler.init()  # the process group is up (Lightning's); nnscaler binds its device and state
+        nnscaler.init()
+        create_groups(self._replica_groups())
+
+    def _replica_groups(self) -> list[list[int]]:
+        """The ranks holding the same piece of the plan, one per data-parallel replica."""
+        plan = self.compute_config.plan_ngpus
+        return [list(range(i, self.world_size, plan)) for i in range(plan)]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """`self.log(..., sync_dist=True)` reduces over the data-parallel replicas only: the ranks of
+        one plan hold the same value (the loss is on every rank, pipelines included), so counting
+        them all would multiply a sum by plan_ngpus."""
+        if group is not None or not isinstance(tensor, torch.Tensor):
+            return super().reduce(tensor, group, reduce_op)
+        ranks = self._replica_groups()[self.global_rank % self.compute_config.plan_ngpus]
+        if len(ranks) == 1:
+            return tensor
+        return super().reduce(
+            tensor, get_group(ranks), reduce_op
+        )  # the process group is up (Lightning's); nnscaler binds its device and state
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
