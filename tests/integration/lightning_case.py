@@ -132,6 +132,8 @@ def main(out: Path) -> None:
         trainer.save_checkpoint(out / f"{name}.ckpt")
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         (out / f"{name}_metrics.json").write_text(json.dumps(metrics))
+        strategy.state_dict_type = "deduped"  # the same state, one copy per piece over the replicas
+        trainer.save_checkpoint(out / f"{name}_deduped.ckpt")
     # interrupted at the end of an epoch of 2 steps, resumed for 2 more
     strategy, plugins = _nnscaler("tp", 2, out, "tp")
     trainer = _trainer(strategy, 2, out, plugins=plugins, limit_train_batches=2)

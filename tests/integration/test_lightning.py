@@ -60,6 +60,15 @@ def test_logged_values_reduce_over_replicas(runs):
     assert got["pp"]["train_loss"] == pytest.approx(got["tp"]["train_loss"], rel=1e-5)
 
 
+def test_deduped_checkpoint_merges_to_the_same_state(runs, tmp_path):
+    for name in ("dp", "tp"):
+        sharded, deduped = _merged(runs, name, tmp_path), _merged(runs, f"{name}_deduped", tmp_path)
+        _close(deduped["state_dict"], sharded["state_dict"], f"{name} deduped vs sharded")
+        assert len(deduped["optimizer_states"]) == 1, name
+        want, got = sharded["optimizer_states"][0], deduped["optimizer_states"][0]
+        assert got["param_groups"] == want["param_groups"], name
+
+
 def test_dp_matches_lightning_ddp(runs, tmp_path):
     ddp = torch.load(runs / "ddp.ckpt", weights_only=False)["state_dict"]
     _close(_merged(runs, "dp", tmp_path)["state_dict"], ddp, "dp vs DDP")
