@@ -147,6 +147,12 @@ def main(out: Path) -> None:
     trainer = _trainer(strategy, 4, out, plugins=plugins, limit_train_batches=2)
     trainer.fit(Regressor(), loader(), loader())
     trainer.save_checkpoint(out / "tp_straight.ckpt")
+    # dp resumed (one more step) from its sharded and from its deduped checkpoint
+    for kind in ("", "_deduped"):
+        strategy, plugins = _nnscaler("dp", 1, out, "dp")
+        trainer = _trainer(strategy, 4, out, plugins=plugins)
+        trainer.fit(Regressor(), loader(), loader(), ckpt_path=str(out / f"dp{kind}.ckpt"))
+        trainer.save_checkpoint(out / f"dp{kind}_resumed.ckpt")
     # Lightning's own data parallelism, the yardstick of dp
     trainer = _trainer("ddp", 3, out)
     trainer.fit(Regressor(), loader(), loader())

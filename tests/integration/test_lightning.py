@@ -69,6 +69,14 @@ def test_deduped_checkpoint_merges_to_the_same_state(runs, tmp_path):
         assert got["param_groups"] == want["param_groups"], name
 
 
+def test_resume_from_deduped_equals_resume_from_sharded(runs, tmp_path):
+    sharded, deduped = _merged(runs, "dp_resumed", tmp_path), _merged(runs, "dp_deduped_resumed", tmp_path)
+    assert sharded["global_step"] == deduped["global_step"] == 4
+    _close(deduped["state_dict"], sharded["state_dict"], "dp resumed from deduped vs sharded")
+    moved = _merged(runs, "dp", tmp_path)["state_dict"]
+    assert any(not torch.equal(moved[k], sharded["state_dict"][k]) for k in moved)  # it did train on
+
+
 def test_dp_matches_lightning_ddp(runs, tmp_path):
     ddp = torch.load(runs / "ddp.ckpt", weights_only=False)["state_dict"]
     _close(_merged(runs, "dp", tmp_path)["state_dict"], ddp, "dp vs DDP")
