@@ -9,7 +9,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from nnscaler.runtime import timeline
+from nnscaler.runtime import lifecycle, timeline
 from nnscaler.runtime.timeouts import collective_timeout
 
 __all__ = ["init", "uninit", "is_initialized", "runtime_device", "local_cuda_index", "bind_cuda_device"]
@@ -49,6 +49,7 @@ def init(timeout: datetime.timedelta | float | None = None, backend: str | None 
             f"(or unset ${BACKEND_ENV})"
         )
     timeline.start_from_env()  # $NNSCALER_TIMELINE: record every collective and P2P op
+    lifecycle.register_teardown(_teardown_at_exit)
     if is_initialized() and timeout is not None:
         warnings.warn(
             f"nnscaler.init(timeout={timeout!r}) has no effect: a process group already exists "
@@ -67,10 +68,20 @@ def init(timeout: datetime.timedelta | float | None = None, backend: str | None 
         dist.init_process_group(backend="gloo", timeout=wait)
 
 
+def _teardown_at_exit() -> None:
+    """At interpreter exit (registered by init): what uninit does, for scripts that end without it."""
+    try:
+        uninit()
+    except Exception:  # the process is ending: a teardown problem must not replace its exit status
+        pass
+
+
 def uninit() -> None:
-    """Destroy the default process group (and forget cached groups); no-op when none exists."""
+    """Release the parallel modules' gradient buckets, destroy the default process group (and forget
+    cached groups); the process group part is a no-op when none exists. Also run at exit."""
     from nnscaler.runtime.groups import clear_groups
 
+    lifecycle.release_parallel_modules()
     clear_groups()
     if is_initialized():
         timeline.flush()  # while the rank is known; the file is written again at exit

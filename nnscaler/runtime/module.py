@@ -28,7 +28,7 @@ from torch import nn
 
 from nnscaler.config import ComputeConfig
 from nnscaler.mesh import ParallelDims
-from nnscaler.runtime import preflight, shapes
+from nnscaler.runtime import lifecycle, preflight, shapes
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.end2end import EndToEndMixin
 from nnscaler.runtime.groups import create_groups, create_host_groups, get_group, get_host_group
@@ -148,6 +148,7 @@ class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, nn.Module
         self._tied: dict[str, list[int]] = {}  # see EndToEndMixin.add_tied
         self.dims = ParallelDims(plan_ngpus, world_size)
         create_groups([*all_groups, *self.dims.plan_groups(), *self.dims.dp_groups()])
+        lifecycle.track(self)
         if plan_ngpus > 1:  # the per-call input-shape check runs over the plan's ranks on the host
             create_host_groups(self.dims.plan_groups())
         self._in_step = False  # inside train_step / infer_step: forward skips the checks made there

@@ -330,3 +330,39 @@ def test_registration_and_strict_loading_errors() -> None:
         pm.load_merged_state_dict({**full, "scale": torch.zeros(D + 1)})
     with pytest.raises(RuntimeError, match="size mismatch"):
         pm.load_state_dict({**pm.state_dict(), "scale": torch.zeros(D + 1)})
+
+
+def teardown_worker(rank: int, world: int) -> dict[str, Any]:
+    import atexit
+
+    import nnscaler
+    from nnscaler.runtime import lifecycle
+
+    nnscaler.init()  # the group is up already; init still arranges the teardown at exit
+    ref, full, x, t = _setup()
+    pm = Gen(rank, world, 1, init_params=False)
+    pm.compute_config = ComputeConfig(1, world)
+    pm.load_merged_state_dict(full)
+    pm(x[rank::world], t[rank::world]).backward()
+    had = pm._reducer is not None and all(p.grad is not None for p in pm.parameters())
+    nnscaler.uninit()
+    return {
+        "had_reducer_and_grads": had,
+        "reducer_after": pm._reducer is not None,
+        "grads_after": any(p.grad is not None for p in pm.parameters()),
+        "group_after": dist.is_initialized(),
+        "registered": lifecycle._REGISTERED[0] and atexit.unregister is not None,
+    }
+
+
+def test_uninit_releases_buckets_before_the_group() -> None:
+    """Buckets that async collectives wrote into, alive while the interpreter shuts down, made gloo
+    abort at exit now and then; uninit (also run at exit) drops them first."""
+    for r in run_dist(teardown_worker, 2):
+        assert r == {
+            "had_reducer_and_grads": True,
+            "reducer_after": False,
+            "grads_after": False,
+            "group_after": False,
+            "registered": True,
+        }, r
