@@ -8,9 +8,10 @@ the cost model and is not timed) beside the measured median, and their ratio. Ta
 within 25% (0.75 .. 1.25).
 
 The measured database comes first: `profile_graph` times every op of each model at the local shapes
-of its candidate splits (one thread, as each of the two processes gets one core), and
-`profile_link` fits the gloo link from timed all-reduces between two processes. The database is
-kept (`--db`) and reused unless `--reprofile`.
+of its candidate splits (one thread, as each of the two processes gets one core); it is kept
+(`--db`) and reused unless `--reprofile`. Then the two processes fit the gloo link from timed
+all-reduces (`profile_link`), right before the steps they time: on a shared machine gloo's latency
+moves with the load, so the link is measured beside what it is to predict.
 
     python benchmarks/cost_model_fit.py [--models gpt,llama,bert,mlp] [--steps 30] [--db ops_cpu.json]
 """
@@ -60,17 +61,8 @@ def _compiled(name: str, policy: str, plan_ngpus: int, db: str, outdir: Path, ba
     return result.graph, plan
 
 
-def _link_worker(rank: int, tmp: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/link_store", rank=rank, world_size=WORLD)
-    link = profile_link()
-    if rank == 0:
-        Path(out).write_text(json.dumps({"bandwidth_gbs": link.bandwidth_gbs, "latency_us": link.latency_us}))
-    dist.destroy_process_group()
-
-
 def build_db(models: list[str], path: Path, batch: int) -> ProfileDB:
-    """Time every op of every model (1 and 2 ways) and the gloo link between two processes."""
+    """Time every op of every model (1 and 2 ways); the link is measured beside the steps."""
     torch.set_num_threads(1)
     db = ProfileDB("cpu")
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,9 +72,6 @@ def build_db(models: list[str], path: Path, batch: int) -> ProfileDB:
                 model, make_batch(DUMMY_SEED, batch), "dp", ComputeConfig(1, 1), Path(tmp) / name, name
             )
             profile_graph(result.graph, ways=(1, 2), repeats=9, db=db)
-        link_out = Path(tmp) / "link.json"
-        mp.spawn(_link_worker, args=(tmp, str(link_out)), nprocs=WORLD, join=True)
-        db.links["intra_node"] = json.loads(link_out.read_text())
     db.save(path)
     return db
 
@@ -102,6 +91,17 @@ def _step_worker(rank: int, tmp: str, cases: list, args: argparse.Namespace) -> 
     dist.init_process_group("gloo", init_method=f"file://{tmp}/step_store", rank=rank, world_size=WORLD)
     import nnscaler
 
+    nnscaler.init()  # the group is up; this arranges the orderly teardown at exit
+    # the link as this run finds it: gloo's latency on a shared machine moves with its load, so it is
+    # measured beside the steps it is to predict
+    link = profile_link()
+    shared_db = Path(tmp, "ops_and_link.json")
+    if rank == 0:
+        db = ProfileDB.load(args.db)
+        db.links["intra_node"] = {"bandwidth_gbs": link.bandwidth_gbs, "latency_us": link.latency_us}
+        db.save(shared_db)
+    dist.barrier()
+    args.db = str(shared_db)  # the searched plan is planned with it too
     out = {}
     for name, policy, plan_ngpus in cases:
         model, make_batch = zoo.build(name, seed=0)
@@ -131,7 +131,7 @@ def _step_worker(rank: int, tmp: str, cases: list, args: argparse.Namespace) -> 
         del pm
     if rank == 0:
         Path(tmp, "measured.json").write_text(json.dumps(out))
-    dist.destroy_process_group()
+    nnscaler.uninit()  # gradient buckets first, then the group
 
 
 def main() -> None:
@@ -157,6 +157,8 @@ def main() -> None:
         cases = [(m, p, n) for m in models for p, n in PLANS]
         mp.spawn(_step_worker, args=(tmp, cases, args), nprocs=WORLD, join=True)
         measured = json.loads(Path(tmp, "measured.json").read_text())
+        args.db = str(Path(tmp, "ops_and_link.json"))
+        db = ProfileDB.load(args.db)
         for name, policy, n in cases:
             pred = predict(name, policy, n, args.db, Path(tmp) / "plans" / f"{name}_{policy}", args.batch)
             real = measured[f"{name}/{policy}"]

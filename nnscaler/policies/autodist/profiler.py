@@ -8,7 +8,7 @@ one and the analytic roofline elsewhere (pas_config['profile_db_path']).
 Ops whose local code is not the op on local shards (views with shape arguments, specials) and ops
 that fail to run on random inputs are left to the analytic model.
 
-`profile_link()`, called on every rank of a live process group, times all-reduces of several sizes
+`profile_link()`, called on every rank of a live process group, times all-reduces of several sizes (each started from a barrier)
 and fits the alpha-beta link of the cost model (comm.ring_all_reduce) to them; stored in the
 database (`db.links['intra_node']`), it replaces the cluster file's figure for that link.
 """
@@ -184,12 +184,11 @@ def profile_link(
         buf = torch.zeros(max(nbytes // 4, 1))
         dist.all_reduce(buf, group=group)  # warm the connection up
         times = []
-        for _ in range(3):  # back to back, as a step issues them: each waits for the slower peer
+        for _ in range(repeats):  # each from a barrier: the ranks start together, as in a step
             dist.barrier(group=group)
             t0 = time.perf_counter()
-            for _ in range(repeats):
-                dist.all_reduce(buf, group=group)
-            times.append((time.perf_counter() - t0) / repeats)
+            dist.all_reduce(buf, group=group)
+            times.append(time.perf_counter() - t0)
         samples.append((float(nbytes), statistics.median(times)))
     shared = [samples]
     dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0) if group else 0, group=group)
