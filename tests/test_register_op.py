@@ -4,6 +4,7 @@ are called by name in the generated code; training matches one device."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from nnscaler import ComputeConfig
 from nnscaler.graph.capture import capture
@@ -35,6 +36,30 @@ def test_user_ops_parity(policy, plan_ngpus, runtime_ngpus, tmp_path):
     assert "torch.ops.nnscaler_user.swiglu.default(" in code
     assert "torch.ops.nntest.scaled_tanh.default(" in code
     assert "import tests.user_ops" in code
+
+
+def test_emit_fn_writes_each_ranks_call(tmp_path):
+    """nnScaler's emit_fn: the generated call is the function's code, per rank; training still
+    matches one device (tp 2 x dp 2: the op checks it runs on the rank its call was written for)."""
+    run_parity("emitops", "tp", 2, 4, tmp_path=tmp_path)
+    for rank in range(4):
+        code = next(tmp_path.glob(f"**/gencode{rank}.py")).read_text()
+        assert "torch.ops.nnscaler_user.rank_checked_mul.default(" in code
+        assert f"rank={rank}, nranks=4)" in code
+
+
+def test_emit_fn_must_write_an_expression():
+    import nnscaler
+    from nnscaler.codegen.expr import Formatter, op_expression
+    from nnscaler.partition import Statement
+
+    @nnscaler.register_op("* h -> * h", name="bad_emit_op", emit_fn=lambda *a: "not valid python(")
+    def bad_emit_op(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    s = Statement("op", "nnscaler_user.bad_emit_op.default", (), {}, ["y"])
+    with pytest.raises(SyntaxError, match="bad_emit_op.default returned code that is not an expression"):
+        op_expression(s, Formatter(0, set()))
 
 
 def test_register_op_rejects_main_functions():

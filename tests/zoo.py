@@ -319,6 +319,20 @@ def build_userops(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
     return model.train(), make_batch
 
 
+def build_emitops(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
+    """An MLP calling an op registered with an emit_fn (its generated call carries the rank)."""
+    from tests.user_ops import EmitOpMLP
+
+    torch.manual_seed(seed)
+    model = EmitOpMLP()
+
+    def make_batch(seed: int, batch_size: int) -> Batch:
+        g = _generator(seed)
+        return {"x": torch.randn(batch_size, 16, generator=g), "y": torch.randn(batch_size, 8, generator=g)}
+
+    return model.train(), make_batch
+
+
 MODELS: dict[str, Callable[[int], tuple[nn.Module, MakeBatch]]] = {
     "mlp": build_mlp,
     "gpt": build_gpt,
@@ -331,6 +345,7 @@ MODELS: dict[str, Callable[[int], tuple[nn.Module, MakeBatch]]] = {
     "vit": build_vit,
     "cnn": build_cnn,
     "userops": build_userops,
+    "emitops": build_emitops,
     # deeper versions for pipelines: enough layers for 8 (virtual) stages
     "gpt_deep": lambda seed=0: build_gpt(seed, n_layer=8),
     "llama_deep": lambda seed=0: build_llama(seed, num_hidden_layers=8),

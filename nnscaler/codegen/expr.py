@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from nnscaler.graph.ir import ModeValue, Ref, SymExpr
+from nnscaler.graph.ops.custom import op_emitter
 from nnscaler.partition import GROUP, RankScaled, Statement
 
 __all__ = ["Formatter", "statement_code"]
@@ -20,8 +22,18 @@ _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 class Formatter:
     """Renders argument values for one rank: Refs become local names, RankScaled becomes a number."""
 
-    def __init__(self, tp_index: int, param_names: set[str], sync_batch_norm: bool = False):
+    def __init__(
+        self,
+        tp_index: int,
+        param_names: set[str],
+        sync_batch_norm: bool = False,
+        rank: int = 0,
+        plan_ngpus: int = 1,
+        runtime_ngpus: int = 1,
+    ):
         self.tp_index = tp_index
+        self.rank, self.plan_ngpus, self.runtime_ngpus = rank, plan_ngpus, runtime_ngpus
+        """The global rank and device counts the code is for (register_op's emit_fn gets them)."""
         self.param_names = param_names
         self.sync_batch_norm = sync_batch_norm
         """Batch norm statistics span the data-parallel replicas (runtime_ngpus > plan_ngpus)."""
@@ -276,6 +288,9 @@ _SPECIAL = _special_ops()
 def op_expression(s: Statement, f: Formatter) -> str:
     """The right-hand side for an 'op' statement."""
     op = s.op
+    emit = op_emitter(op)
+    if emit is not None:
+        return _emitted(emit, s, f)
     if op in _SPECIAL:
         return _SPECIAL[op](s, f)
     if op in _BINARY and len(s.args) == 2 and not s.kwargs:
@@ -289,6 +304,37 @@ def op_expression(s: Statement, f: Formatter) -> str:
     if op.endswith(".apply") and ":" in op:  # a custom autograd Function: `module.Qualname.apply(...)`
         return _call(op.replace(":", "."), [f(a) for a in s.args], {k: f(v) for k, v in s.kwargs.items()})
     return _call(f"torch.ops.{op}", [f(a) for a in s.args], {k: f(v) for k, v in s.kwargs.items()})
+
+
+@dataclass(frozen=True)
+class EmitNode:
+    """What register_op's emit_fn sees of the op it writes (nnScaler passes its IR node here)."""
+
+    op: str
+    signature: str
+    """The default call target, e.g. 'torch.ops.nnscaler_user.ring_attn'."""
+    outputs: tuple[str, ...]
+    module_path: str
+    source: str
+
+
+def _emitted(emit: Callable, s: Statement, f: Formatter) -> str:
+    node = EmitNode(s.op, f"torch.ops.{s.op}", tuple(s.outputs), s.module_path, s.source)
+    args = [f(a) for a in s.args]
+    kwargs = {k: f(v) for k, v in s.kwargs.items()}
+    code = emit(node, args, kwargs, f.rank, f.plan_ngpus, f.runtime_ngpus)
+    if not isinstance(code, str) or not code.strip():
+        raise TypeError(
+            f"emit_fn registered for {s.op} returned {code!r}: it must return the call's Python code as a "
+            f'string (e.g. "{node.signature}({", ".join(args)})")'
+        )
+    try:
+        compile(code, "<emit_fn>", "eval")
+    except SyntaxError as exc:
+        raise SyntaxError(
+            f"emit_fn registered for {s.op} returned code that is not an expression: {code!r}"
+        ) from exc
+    return code
 
 
 def _operand(code: str) -> str:

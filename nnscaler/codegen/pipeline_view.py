@@ -128,7 +128,14 @@ def build_pipeline_view(
     ways = pprog.tp_size
     tensors = _stage_tensors(pprog, mine)
     param_names = {t.name for t in tensors}
-    fmt = Formatter(tp_index, param_names, sync_batch_norm=cfg.runtime_ngpus > cfg.plan_ngpus)
+    fmt = Formatter(
+        tp_index,
+        param_names,
+        sync_batch_norm=cfg.runtime_ngpus > cfg.plan_ngpus,
+        rank=rank,
+        plan_ngpus=cfg.plan_ngpus,
+        runtime_ngpus=cfg.runtime_ngpus,
+    )
     shards, aliases = shard_lines(tensors, tp_index, ways)
     tied = _tied_groups(pprog)
     tied_lines = [

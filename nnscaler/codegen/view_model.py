@@ -153,7 +153,14 @@ def build_module_view(
     ]
     header = [comment_text(line) for line in header]  # names from the user's model: one line each
     param_names = {t.name for t in program.tensors}
-    fmt = Formatter(tp_index, param_names, sync_batch_norm=cfg.runtime_ngpus > cfg.plan_ngpus)
+    fmt = Formatter(
+        tp_index,
+        param_names,
+        sync_batch_norm=cfg.runtime_ngpus > cfg.plan_ngpus,
+        rank=rank,
+        plan_ngpus=cfg.plan_ngpus,
+        runtime_ngpus=cfg.runtime_ngpus,
+    )
     shards, aliases = shard_lines(program.tensors, tp_index, ways)
     sections, uses_checkpoint = build_sections(
         program, fmt, lambda s: _trailing(s, program, full_shapes), CodeLine, Section

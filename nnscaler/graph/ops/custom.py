@@ -15,6 +15,12 @@ __all__ = ["register_op", "op_module", "autograd_op_name", "is_autograd_op"]
 
 _NAMESPACE = "nnscaler_user"
 _MODULES: dict[str, str] = {}  # op name ('ns.name.overload') -> module to import in generated code
+_EMITTERS: dict[str, Callable] = {}  # op name -> register_op's emit_fn
+
+
+def op_emitter(op: str) -> Callable | None:
+    """The `emit_fn` registered for `op` (it writes the op's call in generated code), or None."""
+    return _EMITTERS.get(op)
 
 
 def autograd_op_name(fn: type) -> str:
@@ -110,9 +116,12 @@ def register_op(
 
     nnScaler's other arguments: `code_impl_pattern` ('import' or 'source'): the generated code always
     imports the function from its module, so both work alike; `input_gen_fn` (inputs for profiling) is
-    accepted and unused (the planner's cost model is analytic). `emit_fn` and `transform_rules` are not
-    supported and raise: the generated code calls the op itself on each rank's shards, split only
-    along the annotation's dims.
+    accepted and unused (the planner's cost model is analytic). `emit_fn(node, args, kwargs,
+    runtime_devid, plan_ndevs, runtime_ndevs) -> str` writes the op's call in each rank's generated
+    code: `args` / `kwargs` are the arguments already rendered as code (local names, literals),
+    `node` the statement (`node.signature` is the default call target, `node.op`, `node.outputs`,
+    `node.module_path`), `runtime_devid` the global rank; e.g. a ring attention passing its ranks.
+    `transform_rules` is not supported and raises: an op splits along its annotation's dims.
     """
     if not isinstance(annotation, str):
         raise TypeError(
@@ -124,12 +133,8 @@ def register_op(
         raise ValueError(
             f"register_op: code_impl_pattern must be 'import' or 'source', got {code_impl_pattern!r}"
         )
-    if emit_fn is not None:
-        raise NotImplementedError(
-            "register_op(emit_fn=...) is not supported: the generated code calls the registered op itself on "
-            "each rank's local shards; put rank-specific logic inside the op (torch.distributed is available "
-            "there) and register it without emit_fn"
-        )
+    if emit_fn is not None and not callable(emit_fn):
+        raise TypeError(f"register_op: emit_fn must be callable, got {type(emit_fn).__name__}")
     if transform_rules:
         raise NotImplementedError(
             "register_op(transform_rules=...) is not supported: an op splits along the dims its annotation "
@@ -148,6 +153,10 @@ def register_op(
             target = _wrap_function(op, name or op.__name__)
             op_name = f"{_NAMESPACE}.{name or op.__name__}.default"
         register_rule(OpRule(op_name, lambda call, _t=annotation: _t, family))
+        if emit_fn is not None:
+            _EMITTERS[op_name] = emit_fn
+        else:
+            _EMITTERS.pop(op_name, None)
         if module and module != "__main__" and not module.startswith("torch"):
             _MODULES[op_name] = module
         return target
