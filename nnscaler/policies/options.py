@@ -278,9 +278,10 @@ def _unknown_key_message(key: str, policy: str, known: list[str]) -> str:
         ]
         if owners:
             msg += f": it is an option of {', '.join(repr(o) for o in owners)}"
+    end = "" if msg.endswith("?") else "."  # "did you mean 'x'?" ends the sentence already
     return (
-        f"{msg}. Options of {policy!r}: {known} (docs/policies.md); keys starting with '_' are accepted "
-        "and ignored"
+        f"{msg}{end} Options of {policy!r}: {known} (docs/policies.md); keys starting with '_' are "
+        "accepted and ignored"
     )
 
 
