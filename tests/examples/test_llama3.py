@@ -127,6 +127,24 @@ def test_torchrun_cpu_run_learns(mini, tmp_path):
     assert (tmp_path / "checkpoints/mini/last").exists()
 
 
+def test_torchrun_pipeline_with_recompute_learns(mini, tmp_path):
+    """The README's second CPU command: stages at decoder layers, 4 micro-batches, layers recomputed."""
+    model_dir, data_dir = mini
+    out = _torchrun(
+        [str(ROOT / "examples/llama3_8B_128K/train.py"), "--plan_ngpus", "2", "--runtime_ngpus", "4"]
+        + ["--model_id", str(model_dir), "--dataset_path", str(data_dir), "--max_train_steps", "8"]
+        + ["--lr", "1e-2", "--pipeline_pivots", "LlamaDecoderLayer", "--grad_accumulation_steps", "4"]
+        + ["--recompute_modules", "LlamaDecoderLayer", "--log_every", "1", "--name", "mini_pp"],
+        tmp_path,
+    )
+    plan = json.loads((tmp_path / ".nnscaler" / GEN / "mini_pp" / "plan.json").read_text())
+    assert plan["pipeline"]["pp_size"] == 2 and plan["pipeline"]["nmicros"] == 4
+    assert plan["recompute"] == ["model.model.layers.0", "model.model.layers.1"]
+    losses = [float(x) for x in re.findall(r"step \d+/8  loss ([\d.]+)", out)]
+    assert len(losses) == 8 and losses[0] > 5.0, out
+    assert np.mean(losses[-3:]) < losses[0] - 1.0, losses
+
+
 def _compile(argv: list[str], cwd: Path, monkeypatch) -> None:
     monkeypatch.chdir(cwd)
     for var in ("RANK", "WORLD_SIZE"):
