@@ -55,7 +55,7 @@ def compile_8b(layers: int | None) -> dict:
 def plan_70b(layers: int | None) -> dict:
     model, inputs = _llama(layers, 8192, 64, 8192, 28672, 64, 8, 80)
     t0 = time.perf_counter()
-    graph = capture(model, inputs)
+    graph = capture(model, inputs, both_modes=False)  # as python -m nnscaler.plan traces
     trace_s = time.perf_counter() - t0
     result = plan_offline(graph, load_cluster("h100x64_ib"), 64, pas_config={"use_bf16": True})
     return {

@@ -158,3 +158,21 @@ def test_train_eval_follow_the_module(case, tmp_path):
             torch.testing.assert_close(stats[name], ref["stats"][name], rtol=1e-5, atol=1e-6)
         for name in ("blocks.0.bn.num_batches_tracked", "blocks.1.bn.num_batches_tracked"):
             assert int(stats[name]) == int(ref["stats"][name]), (traced, name)
+
+
+def test_planning_capture_of_one_mode_has_the_same_nodes():
+    """capture(both_modes=False) (python -m nnscaler.plan) traces once: the same nodes and names as the
+    compile's two-mode trace, with the train-mode literals plain instead of following the mode."""
+    from torch.utils import _pytree as pytree
+
+    from nnscaler.graph.capture import capture
+    from nnscaler.graph.ir.mode import ModeValue
+
+    def mode_values(graph) -> int:
+        leaves = pytree.tree_leaves([(n.args, n.kwargs) for n in graph.nodes])
+        return sum(isinstance(v, ModeValue) for v in leaves)
+
+    both = capture(build(), batch(1))
+    once = capture(build(), batch(1), both_modes=False)
+    assert [(n.name, n.op) for n in once.nodes] == [(n.name, n.op) for n in both.nodes]
+    assert mode_values(both) >= 2 and mode_values(once) == 0  # dropout's train flag, batch norm's

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model and not args.hf_config:
         p.error("give --model or --hf-config")
     module, inputs = build_model(args.model, args.hf_config, args.batch, args.seq)
-    graph = capture(module, inputs)
+    graph = capture(module, inputs, both_modes=False)  # planning costs the module's own mode
     pas = {
         "pipeline_nmicros": args.nmicros,
         "zero_stage": args.zero,

@@ -18,13 +18,19 @@ __all__ = ["capture", "check_forward_args", "export_module", "convert_exported"]
 
 
 def capture(
-    module: torch.nn.Module, dummy_forward_args: dict[str, Any], static_shapes: bool = False
+    module: torch.nn.Module,
+    dummy_forward_args: dict[str, Any],
+    static_shapes: bool = False,
+    both_modes: bool = True,
 ) -> Graph:
     """Trace `module(**dummy_forward_args)` into a Graph without touching its weights.
 
     Dummy inputs are examples, never identities: two arguments given the same tensor (or views of
     one) are traced as two inputs. Unless `static_shapes` (ComputeConfig.constant_folding), every
     input dim may change between calls: sizes derived from input shapes stay expressions.
+    Unless `both_modes` is False, the module is traced in train and in eval mode (twice the time) so
+    the program follows train()/eval() at run time; planning alone (`python -m nnscaler.plan`) needs
+    only the module's own mode, and its node names are the same.
     """
     forward_args = check_forward_args(module, dummy_forward_args)
     kwargs = {k: dummy_forward_args[k] for k in forward_args}
@@ -33,7 +39,8 @@ def capture(
     dynamic = None if static_shapes else dynamic_shapes_spec(kwargs)
     # custom autograd Functions keep their backward; the program follows train()/eval()
     with opaque_autograd_functions():
-        ep = trace_both_modes(module, lambda: export_module(module, kwargs, dynamic))  # keeps modes as given
+        export = lambda: export_module(module, kwargs, dynamic)  # noqa: E731
+        ep = trace_both_modes(module, export) if both_modes else export()  # keeps modes as given
     graph = name_autograd_functions(convert_exported(ep, module, forward_args))
     graph.untraced_args = untraced_defaults(module, forward_args)
     graph.static_shapes = static_shapes

@@ -10,6 +10,7 @@ from nnscaler.graph.ops import annotate_node, get_rule, is_bias_split, layouts_f
 from nnscaler.policies.autodist.comm import all_reduce
 from nnscaler.policies.autodist.constraints import PartitionConstraints
 from nnscaler.policies.autodist.cost import CostContext, compute_time, is_free_op, local_bytes, node_flops
+from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.blocks import blocks_hint
 from nnscaler.policies.plan import REPLICATE, NodePlan
@@ -75,6 +76,35 @@ def _plans(graph: Graph, node: Node, bound, ways: int) -> list[NodePlan]:
     return plans
 
 
+def _structure(graph: Graph, node: Node):
+    """(tensor input names, the node's bound annotation or None, its op rule); once per graph."""
+    memo = graph_memo(graph)
+    key = ("node", node.name)
+    if key not in memo:
+        memo[key] = (tuple(tensor_refs(graph, node)), annotate_node(node, graph), get_rule(node.op))
+    return memo[key]
+
+
+def _with_layouts(node: Node, refs, bound, rule, plan: NodePlan):
+    """(plan, input layouts, output layouts); layouts None where the split is not valid here."""
+    if bound is None:
+        return plan, tuple(Replicate() for _ in refs), tuple(Replicate() for _ in node.outputs)
+    ways = plan.ways if plan.split else 1
+    lay = layouts_for(bound, rule, plan.split, ways, plan.blocks)
+    if isinstance(lay, str):
+        return plan, None, None
+    return plan, tuple(lay.inputs), tuple(lay.outputs)
+
+
+def _options(graph: Graph, node: Node, refs, bound, rule, ways: int):
+    """Every plan of `node` over `ways` devices with its layouts (see _with_layouts); once per graph."""
+    memo = graph_memo(graph)
+    key = ("plans", node.name, ways)
+    if key not in memo:
+        memo[key] = [_with_layouts(node, refs, bound, rule, p) for p in _plans(graph, node, bound, ways)]
+    return memo[key]
+
+
 def node_choices(
     graph: Graph,
     node: Node,
@@ -91,17 +121,15 @@ def node_choices(
     (each parameter is owned by its first reader). saved: its outputs are kept for backward (False
     inside recomputed modules). only: cost just this plan (a fixed plan being evaluated).
     """
-    refs = tensor_refs(graph, node)
-    out = NodeChoices(node, refs)
-    bound = annotate_node(node, graph)
-    rule = get_rule(node.op)
+    refs, bound, rule = _structure(graph, node)
+    out = NodeChoices(node, list(refs))
     metas_in = [graph.values[r].meta for r in refs]
     metas_out = [graph.values[o].meta for o in node.outputs]
     in_bytes = [ctx.value_bytes(graph, r) for r in refs]
     out_bytes = [ctx.value_bytes(graph, o) for o in node.outputs]
     acts = [
         r
-        for r in refs + list(node.outputs)
+        for r in [*refs, *node.outputs]
         if graph.values[r].meta and graph.values[r].kind not in ("param", "buffer")
     ]
     # FLOPs follow the batch: the largest scaling of an activation (weights never scale)
@@ -110,18 +138,11 @@ def node_choices(
     dtype = next((m.dtype for m in metas_out if m is not None), "float32")
     free = is_free_op(node, graph)
     matmul = node.op.startswith(_MATMUL_PREFIX) or "attention" in node.op or "conv" in node.op
-    for plan in [only] if only is not None else _plans(graph, node, bound, ctx.ways):
-        if constraints is not None and not constraints.allows(graph, node, bound, plan):
+    options = [_with_layouts(node, refs, bound, rule, only)] if only is not None else None
+    for plan, ins, outs in options or _options(graph, node, refs, bound, rule, ctx.ways):
+        if ins is None or (constraints is not None and not constraints.allows(graph, node, bound, plan)):
             continue
         ways = plan.ways if plan.split else 1
-        if bound is None:
-            ins = tuple(Replicate() for _ in refs)
-            outs = tuple(Replicate() for _ in node.outputs)
-        else:
-            lay = layouts_for(bound, rule, plan.split, ways, plan.blocks)
-            if isinstance(lay, str):
-                continue
-            ins, outs = tuple(lay.inputs), tuple(lay.outputs)
         moved = sum(local_bytes(b, lay_, ways) for b, lay_ in zip(in_bytes, ins)) + sum(
             local_bytes(b, lay_, ways) for b, lay_ in zip(out_bytes, outs)
         )

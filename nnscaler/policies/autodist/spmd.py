@@ -26,6 +26,7 @@ from nnscaler.policies.autodist.comm import all_reduce
 from nnscaler.policies.autodist.constraints import PartitionConstraints
 from nnscaler.policies.autodist.cost import CostContext, reshard_time
 from nnscaler.policies.autodist.layers import LayerFold, fold_layers
+from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.plan import NodePlan
 
@@ -75,6 +76,23 @@ def _solver(name: str):
     if name == "highs" and "HiGHS" in pulp.listSolvers(onlyAvailable=True):
         return pulp.HiGHS(msg=False), "highs"
     return pulp.PULP_CBC_CMD(msg=False, threads=1), "cbc"
+
+
+def _owned_by(graph: Graph) -> dict[str, set[str]]:
+    """Node -> the parameters and buffers it accounts for (those it is the first reader of); once per
+    graph."""
+    memo = graph_memo(graph)
+    if "owned_by" not in memo:
+        owner: dict[str, str] = {}
+        for node in graph.nodes:
+            for ref in node.input_names():
+                if graph.values[ref].kind in ("param", "buffer") and ref not in owner:
+                    owner[ref] = node.name
+        owned_by: dict[str, set[str]] = defaultdict(set)
+        for ref, name in owner.items():
+            owned_by[name].add(ref)
+        memo["owned_by"] = dict(owned_by)
+    return memo["owned_by"]
 
 
 def _edges(graph: Graph, names: set[str], fold: LayerFold, table: dict[str, NodeChoices]):
@@ -144,20 +162,13 @@ def _solve(
     memory = memory or MemoryModel()
     folded = fold_layers(graph, pivots, enabled=fold)
     names = {n.name for n in graph.nodes}
-    owned: set[str] = set()
-    owner: dict[str, str] = {}
-    for node in graph.nodes:
-        for ref in node.input_names():
-            v = graph.values[ref]
-            if v.kind in ("param", "buffer") and ref not in owner:
-                owner[ref] = node.name
+    owned_by = _owned_by(graph)
     reps = folded.represented()
     index = {n.name: n for n in graph.nodes}
     table: dict[str, NodeChoices] = {}
     for name in reps:
         node = index[name]
-        owned_here = {p for p, o in owner.items() if o == name}
-        owned |= owned_here
+        owned_here = owned_by.get(name, set())
         saved = not any(
             node.module_path == r or node.module_path.startswith(r + ".") or r == "" for r in recompute
         )
