@@ -172,24 +172,45 @@ def fit_link(samples: list[tuple[float, float]], p: int) -> LinkSpec:
 
 
 def profile_link(
-    group=None, sizes: tuple[int, ...] = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), repeats: int = 10
+    group=None,
+    sizes: tuple[int, ...] = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22),
+    repeats: int = 10,
+    rounds: int = 3,
 ) -> LinkSpec:
     """Fit this group's link from timed all-reduces of float32 buffers of `sizes` bytes. Collective:
-    every rank of `group` calls it; all get the same figures (rank 0's timings, broadcast)."""
+    every rank of `group` calls it; all get the same figures (rank 0's timings, broadcast).
+
+    The all-reduces are timed as a step meets them: one after another, each after a little compute
+    (whose own time is taken off), not each from a barrier. On gloo over a shared CPU machine such
+    chains cost 2 to 4 times what barrier-started all-reduces do (the ranks drift apart and each
+    collective waits for the later one and wakes its threads up), and the steps are made of chains.
+    """
     import torch.distributed as dist
 
     p = dist.get_world_size(group)
+    spacer = torch.randn(64, 64)
+
+    def work() -> None:
+        for _ in range(4):
+            spacer @ spacer
+
     samples = []
     for nbytes in sizes:
         buf = torch.zeros(max(nbytes // 4, 1))
         dist.all_reduce(buf, group=group)  # warm the connection up
-        times = []
-        for _ in range(repeats):  # each from a barrier: the ranks start together, as in a step
+        per_round = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                work()
+            compute = time.perf_counter() - t0
             dist.barrier(group=group)
             t0 = time.perf_counter()
-            dist.all_reduce(buf, group=group)
-            times.append(time.perf_counter() - t0)
-        samples.append((float(nbytes), statistics.median(times)))
+            for _ in range(repeats):
+                work()
+                dist.all_reduce(buf, group=group)
+            per_round.append(max(time.perf_counter() - t0 - compute, 0.0) / repeats)
+        samples.append((float(nbytes), statistics.median(per_round)))
     shared = [samples]
     dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0) if group else 0, group=group)
     return fit_link(shared[0], p)
