@@ -73,6 +73,10 @@ RUN: dict[str, tuple[str, str]] = {
         "{python} -m torch.distributed.run --standalone --nproc_per_node 2 train_lightning.py",
         r"merged \['body.0.bias', 'body.0.weight', 'body.2.bias', 'body.2.weight'\] loss",
     ),
+    "python -m nnscaler.profiler --model tests.zoo.build_gpt --ways 1,2 --out ops.json": (
+        "{python} -m nnscaler.profiler --model tests.zoo.build_gpt --ways 1,2 --repeats 1 --out ops.json",
+        r"\d+ op timings on cpu in ops.json",
+    ),
     "python -m nnscaler.plan --model tests.zoo.build_gpt --cluster h100x8 --at idx_size0=16,targets_size0=16": (
         "{python} -m nnscaler.plan --model tests.zoo.build_gpt --cluster h100x8 --at idx_size0=16,targets_size0=16",
         r"Forward FLOPs of one call: .*idx_size0.*\nAt idx_size0=16,targets_size0=16: predicted step",

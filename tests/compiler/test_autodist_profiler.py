@@ -90,3 +90,25 @@ def _link_rank(rank: int, world_size: int) -> tuple[float, float]:
 
     link = profile_link(sizes=(1 << 10, 1 << 16), repeats=3)
     return link.bandwidth_gbs, link.latency_us
+
+
+def test_profiler_cli_adds_to_a_database(tmp_path):
+    """`python -m nnscaler.profiler` traces a builder's model, times its ops on this machine's device
+    and adds them to the file (a second model's ops join the first's)."""
+    from nnscaler.profiler import main
+
+    out = tmp_path / "ops.json"
+    main(["--model", "tests.zoo.build_mlp", "--ways", "1,2", "--repeats", "1", "--out", str(out)])
+    first = ProfileDB.load(out)
+    assert first.device == "cpu" and first.entries and first.step_overhead_s > 0
+    assert any(k.startswith("aten.linear") for k in first.entries)
+    main(["--model", "tests.zoo.build_gpt", "--ways", "1", "--repeats", "1", "--out", str(out)])
+    both = ProfileDB.load(out)
+    assert set(first.entries) < set(both.entries)
+
+
+def test_one_database_holds_one_kind_of_device(zoo_graphs):
+    import pytest
+
+    with pytest.raises(ValueError, match="one kind of device"):
+        profile_graph(zoo_graphs["mlp"][0], db=ProfileDB("cuda"), device="cpu")

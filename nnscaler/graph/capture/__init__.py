@@ -34,8 +34,8 @@ def capture(
     """
     forward_args = check_forward_args(module, dummy_forward_args)
     kwargs = {k: dummy_forward_args[k] for k in forward_args}
-    to_meta = any(p.is_meta for p in module.parameters())
-    kwargs = pytree.tree_map(lambda v: _own_copy(v, to_meta), kwargs)
+    device = _trace_device(module)
+    kwargs = pytree.tree_map(lambda v: _own_copy(v, device), kwargs)
     dynamic = None if static_shapes else dynamic_shapes_spec(kwargs)
     # custom autograd Functions keep their backward; the program follows train()/eval()
     with opaque_autograd_functions():
@@ -47,9 +47,21 @@ def capture(
     return graph
 
 
-def _own_copy(value: Any, to_meta: bool) -> Any:
-    """A tensor of its own (torch.export traces one tensor passed as two arguments as one input)."""
+def _trace_device(module: torch.nn.Module) -> torch.device | None:
+    """Where the dummy inputs are traced: on the module's weights' device (meta weights: meta), so a
+    module built on the CPU traces with inputs already on a GPU (the generated code allocates on the
+    runtime's device, whatever the trace saw). None: no weights, or weights on several devices."""
+    devices = {t.device for t in (*module.parameters(), *module.buffers())}
+    if any(d.type == "meta" for d in devices):
+        return torch.device("meta")
+    return devices.pop() if len(devices) == 1 else None
+
+
+def _own_copy(value: Any, device: torch.device | None) -> Any:
+    """A tensor of its own (torch.export traces one tensor passed as two arguments as one input), on
+    the trace device."""
     if not isinstance(value, torch.Tensor):
         return value
-    copy = value.detach().to("meta") if to_meta else value.detach().clone()
+    stays = device is None or value.device == device or value.is_meta
+    copy = value.detach().clone() if stays else value.detach().to(device)
     return copy.requires_grad_(value.requires_grad) if value.is_floating_point() else copy

@@ -70,22 +70,30 @@ def local_shapes(graph: Graph, refs: list[str], layouts, ways: int) -> list[tupl
     return _local_shapes(graph, refs, layouts, ways)
 
 
-def _tensor(meta, shape):
+def _tensor(meta, shape, device: torch.device):
     dtype = getattr(torch, meta.dtype.replace("torch.", ""))
     if dtype.is_floating_point:
-        return torch.randn(shape, dtype=dtype).requires_grad_(meta.requires_grad)
-    return torch.zeros(shape, dtype=dtype)
+        return torch.randn(shape, dtype=dtype, device=device).requires_grad_(meta.requires_grad)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _time_once(fn, args, kwargs, grads: list[torch.Tensor], repeats: int) -> float:
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued kernels, so that a host clock times them (CUDA runs ahead)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_once(fn, args, kwargs, grads: list[torch.Tensor], repeats: int, device: torch.device) -> float:
     samples = []
     for _ in range(repeats + 1):
+        _sync(device)
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
         outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
         loss = sum(o.float().sum() for o in outs if o.requires_grad)
         if grads and isinstance(loss, torch.Tensor):
             loss.backward()
+        _sync(device)
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples[1:])
 
@@ -94,22 +102,24 @@ _FLOOR_S = 1e-6
 """Least time an entry keeps once the harness overhead is taken out (timing noise can exceed the op)."""
 
 
-def _harness_overhead(repeats: int) -> float:
+def _harness_overhead(repeats: int, device: torch.device) -> float:
     """Seconds the timing harness adds around an op: the same harness around the cheapest op there
     is (a one-element multiply), whose own cost is left in the entries' rounding."""
-    x = torch.ones(1, requires_grad=True)
+    x = torch.ones(1, device=device, requires_grad=True)
     fn = torch.ops.aten.mul.Tensor
-    return min(_time_once(fn, (x, 1.0), {}, [x], repeats * 3) for _ in range(3))
+    return min(_time_once(fn, (x, 1.0), {}, [x], repeats * 3, device) for _ in range(3))
 
 
-def _measure(graph: Graph, node: Node, shapes: list[tuple[int, ...]], repeats: int) -> float | None:
+def _measure(
+    graph: Graph, node: Node, shapes: list[tuple[int, ...]], repeats: int, device: torch.device
+) -> float | None:
     parts = node.op.split(".")
     try:
         fn = getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
     except (AttributeError, IndexError):
         return None
     refs = tensor_refs(graph, node)
-    tensors = {r: _tensor(graph.values[r].meta, s) for r, s in zip(refs, shapes)}
+    tensors = {r: _tensor(graph.values[r].meta, s, device) for r, s in zip(refs, shapes)}
 
     def value(ref: Ref):
         return tensors.get(ref.name)
@@ -118,18 +128,38 @@ def _measure(graph: Graph, node: Node, shapes: list[tuple[int, ...]], repeats: i
         args = map_refs(node.args, value)
         kwargs = map_refs(node.kwargs, value)
         grads = [t for t in tensors.values() if t.requires_grad]
-        return _time_once(fn, args, kwargs, grads, repeats)
+        return _time_once(fn, args, kwargs, grads, repeats, device)
+    except torch.OutOfMemoryError:  # a shape too big for this device: analytic model, memory given back
+        tensors.clear()
+        torch.cuda.empty_cache()
+        return None
     except Exception:  # shapes or arguments this op does not take at local sizes: analytic model
         return None
 
 
 def profile_graph(
-    graph: Graph, ways: tuple[int, ...] = (1,), repeats: int = 3, db: ProfileDB | None = None
+    graph: Graph,
+    ways: tuple[int, ...] = (1,),
+    repeats: int = 3,
+    db: ProfileDB | None = None,
+    device: str | torch.device | None = None,
 ) -> ProfileDB:
-    """Measure every op of `graph` at the local shapes of each candidate split over each of `ways`."""
-    db = db or ProfileDB("cuda" if torch.cuda.is_available() else "cpu")
+    """Measure every op of `graph` at the local shapes of each candidate split over each of `ways`,
+    on `device` (default: the current CUDA device where there is one, else the CPU; a given `db`
+    keeps its own device)."""
+    if device is None:
+        device = db.device if db is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    db = db or ProfileDB(device.type)
+    if db.device != device.type:
+        raise ValueError(
+            f"profile_graph(device={str(device)!r}) into a database of {db.device!r} timings: "
+            "one database holds one kind of device (start a new ProfileDB)"
+        )
     if not db.step_overhead_s:
-        db.step_overhead_s = _harness_overhead(repeats)
+        db.step_overhead_s = _harness_overhead(repeats, device)
     for node in graph.nodes:
         rule = get_rule(node.op)
         bound = annotate_node(node, graph)
@@ -150,7 +180,7 @@ def profile_graph(
                 key = op_key(node.op, shapes, out_meta.dtype)
                 if key in db.entries:
                     continue
-                t = _measure(graph, node, shapes, repeats)
+                t = _measure(graph, node, shapes, repeats, device)
                 if t is not None:
                     db.entries[key] = max(t - db.step_overhead_s, _FLOOR_S)
     return db
