@@ -12,6 +12,7 @@ from __future__ import annotations
 import networkx as nx
 
 from nnscaler.graph.ir import Graph
+from nnscaler.policies.autodist.memo import graph_memo
 
 __all__ = ["dataflow_graph", "crossing_values"]
 
@@ -21,10 +22,11 @@ _INPUT = "input:"
 
 def dataflow_graph(graph: Graph) -> nx.MultiDiGraph:
     """Vertices: node names and one source per forward input; an edge producer -> reader per activation
-    or input read (parameters and buffers live on their stage and never travel). Cached per graph."""
-    cached = getattr(graph, "_autodist_dataflow", None)
-    if cached is not None and cached[0] == len(graph.nodes):
-        return cached[1]
+    or input read (parameters and buffers live on their stage and never travel). Once per graph
+    (memo.py)."""
+    memo = graph_memo(graph)
+    if "dataflow" in memo:
+        return memo["dataflow"]
     g = nx.MultiDiGraph()
     for i, node in enumerate(graph.nodes):
         g.add_node(node.name, order=i)
@@ -37,8 +39,7 @@ def dataflow_graph(graph: Graph) -> nx.MultiDiGraph:
             if src not in g:
                 g.add_node(src, order=-1)
             g.add_edge(src, node.name, key=ref)
-    graph._autodist_dataflow = (len(graph.nodes), g)
-    graph._autodist_crossing = {}  # cuts of this dataflow (crossing_values)
+    memo["dataflow"] = g
     return g
 
 
@@ -46,8 +47,7 @@ def crossing_values(graph: Graph, index: int) -> tuple[str, ...]:
     """Names of the tensors that cross the cut before node `index` (sorted, each once). Cached per
     graph: a search asks for the same cuts for every configuration it scores."""
     g = dataflow_graph(graph)
-    cache = graph._autodist_crossing if hasattr(graph, "_autodist_crossing") else {}
-    graph._autodist_crossing = cache
+    cache = graph_memo(graph).setdefault("crossing", {})
     if index not in cache:
         order = nx.get_node_attributes(g, "order")
         before = {n for n, i in order.items() if i < index}

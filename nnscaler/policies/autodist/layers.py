@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
+from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.staging import default_pivots, pivot_starts
 
 __all__ = ["LayerFold", "fold_layers", "layer_instances"]
@@ -65,16 +66,13 @@ def _signature(graph: Graph, idx: list[int]) -> tuple:
 def fold_layers(graph: Graph, pivots: tuple[str, ...] | None = None, enabled: bool = True) -> LayerFold:
     """Fold repeated layer instances onto their first instance (identity when `enabled` is False).
 
-    Cached on the graph for one search (as policies.blocks caches consumers): a search folds the same
-    graph dozens of times.
+    Kept in the graph's memo (memo.py): a search folds the same graph dozens of times.
     """
-    key = (len(graph.nodes), tuple(pivots) if pivots else None, enabled)
-    cached = getattr(graph, "_autodist_fold", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    fold = _fold(graph, pivots, enabled)
-    graph._autodist_fold = (key, fold)
-    return fold
+    folds = graph_memo(graph).setdefault("fold_layers", {})
+    key = (tuple(pivots) if pivots else None, enabled)
+    if key not in folds:
+        folds[key] = _fold(graph, pivots, enabled)
+    return folds[key]
 
 
 def _fold(graph: Graph, pivots: tuple[str, ...] | None, enabled: bool) -> LayerFold:

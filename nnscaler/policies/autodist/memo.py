@@ -9,8 +9,8 @@ __all__ = ["graph_memo"]
 
 
 def graph_memo(graph: Graph) -> dict:
-    """A dict kept on the graph for such facts. Keyed by the node count, as layers.fold_layers and
-    dataflow.dataflow_graph keep theirs: a graph that gains or loses nodes starts afresh."""
+    """A dict kept on the graph for such facts (node choices, layer folds, the dataflow and its cuts,
+    the tp policy's splits). Kept with the node count: a graph that gains or loses nodes starts afresh."""
     cached = getattr(graph, "_autodist_memo", None)
     if cached is None or cached[0] != len(graph.nodes):
         cached = (len(graph.nodes), {})

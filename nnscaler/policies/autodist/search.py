@@ -15,6 +15,7 @@ from nnscaler.policies.autodist.constraints import PartitionConstraints
 from nnscaler.policies.autodist.cost import CostContext
 from nnscaler.policies.autodist.dataflow import crossing_values
 from nnscaler.policies.autodist.layers import layer_instances
+from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.autodist.pipeline_dp import stage_dp
 from nnscaler.policies.autodist.spmd import SpmdResult, solve_spmd
@@ -267,15 +268,12 @@ def _megatron_alternatives(graph: Graph, setup: PlannerSetup, scored: list[Candi
         if c.tp > 1 and (key not in best or c.time_per_micro < best[key].time_per_micro):
             best[key] = c
     out = []
-    memo = getattr(graph, "_autodist_tp", None)  # the tp policy's layout per degree, for one search
-    if memo is None or memo[0] != len(graph.nodes):
-        memo = (len(graph.nodes), {})
-        graph._autodist_tp = memo
+    tp_nodes = graph_memo(graph).setdefault("tp_policy_nodes", {})  # the tp policy's splits per degree
     for (pp, tp), c in sorted(best.items()):
         try:
-            if tp not in memo[1]:
-                memo[1][tp] = pas_tp(graph, ComputeConfig(tp, tp)).nodes
-            nodes = memo[1][tp]
+            if tp not in tp_nodes:
+                tp_nodes[tp] = pas_tp(graph, ComputeConfig(tp, tp)).nodes
+            nodes = tp_nodes[tp]
             alt = evaluate_nodes(
                 graph,
                 setup,
