@@ -11,7 +11,9 @@ The measured database comes first: `profile_graph` times every op of each model 
 of its candidate splits (one thread, as each of the two processes gets one core); it is kept
 (`--db`) and reused unless `--reprofile`. Then the two processes fit the gloo link from timed
 all-reduces (`profile_link`), right before the steps they time: on a shared machine gloo's latency
-moves with the load, so the link is measured beside what it is to predict.
+moves with the load, so the link is measured beside what it is to predict. Link fit and steps are
+repeated `--rounds` times (each round's steps predicted with that round's link); a row's ratio is the
+median over rounds, and every round's ratio is printed too, so the machine's own noise shows.
 
     python benchmarks/cost_model_fit.py [--models gpt,llama,bert,mlp] [--steps 30] [--db ops_cpu.json]
 """
@@ -35,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import load_note  # noqa: E402
 from nnscaler import ComputeConfig  # noqa: E402
+from nnscaler.graph.ir import graph_from_json  # noqa: E402
 from nnscaler.parallel.compile import compile_module  # noqa: E402
 from nnscaler.policies import Plan  # noqa: E402
 from nnscaler.policies.autodist import planner_setup  # noqa: E402
@@ -76,11 +79,17 @@ def build_db(models: list[str], path: Path, batch: int) -> ProfileDB:
     return db
 
 
-def predict(name: str, policy: str, plan_ngpus: int, db: str, outdir: Path, batch: int) -> dict:
-    graph, plan = _compiled(name, policy, plan_ngpus, db, outdir, batch)
-    setup = planner_setup(
-        graph, ComputeConfig(plan_ngpus, WORLD, pas_config={"cluster": "cpu_gloo", "profile_db_path": db})
-    )
+def predict(
+    name: str, policy: str, plan_ngpus: int, db: str, outdir: Path, batch: int, cost_db: str | None = None
+) -> dict:
+    """The plan compiled with database `db`, costed with `cost_db` (default: the same)."""
+    if (outdir / "plan.json").exists():
+        graph = graph_from_json((outdir / "graph.json").read_text())
+        plan = Plan.from_json((outdir / "plan.json").read_text())
+    else:
+        graph, plan = _compiled(name, policy, plan_ngpus, db, outdir, batch)
+    pas = {"cluster": "cpu_gloo", "profile_db_path": cost_db or db}
+    setup = planner_setup(graph, ComputeConfig(plan_ngpus, WORLD, pas_config=pas))
     cand = evaluate_plan(graph, setup, plan)
     return {"predicted_s": cand.step_time, "split": plan.split_summary()["split"], "ops": len(graph.nodes)}
 
@@ -92,45 +101,50 @@ def _step_worker(rank: int, tmp: str, cases: list, args: argparse.Namespace) -> 
     import nnscaler
 
     nnscaler.init()  # the group is up; this arranges the orderly teardown at exit
-    # the link as this run finds it: gloo's latency on a shared machine moves with its load, so it is
-    # measured beside the steps it is to predict
-    link = profile_link()
-    shared_db = Path(tmp, "ops_and_link.json")
-    if rank == 0:
-        db = ProfileDB.load(args.db)
-        db.links["intra_node"] = {"bandwidth_gbs": link.bandwidth_gbs, "latency_us": link.latency_us}
-        db.save(shared_db)
-    dist.barrier()
-    args.db = str(shared_db)  # the searched plan is planned with it too
-    out = {}
-    for name, policy, plan_ngpus in cases:
-        model, make_batch = zoo.build(name, seed=0)
-        cfg = _config(policy, plan_ngpus, args.db)
-        pm = nnscaler.parallelize(
-            model,
-            make_batch(DUMMY_SEED, args.batch),
-            policy,
-            cfg,
-            gen_savedir=os.path.join(tmp, "gen", f"{name}_{policy}"),
-        )
-        replica = rank // plan_ngpus
-        data = make_batch(1000 + replica, args.batch)
-        times = []
-        for step in range(args.warmup + args.steps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = zoo.extract_loss(pm(**data))
-            loss.backward()
-            pm.sync_grad()  # no-op where backward already settled the gradients
-            if step >= args.warmup:
-                times.append(time.perf_counter() - t0)
-            pm.zero_grad(set_to_none=False)
-        gathered = [None] * WORLD
-        dist.all_gather_object(gathered, statistics.median(times))
-        out[f"{name}/{policy}"] = max(gathered)  # a step ends when its slowest rank is done
-        del pm
-    if rank == 0:
-        Path(tmp, "measured.json").write_text(json.dumps(out))
+    modules = {}
+    for rnd in range(args.rounds):
+        # the link as this round finds it: gloo's latency on a shared machine moves with its load, so
+        # it is measured beside the steps it is to predict
+        link = profile_link()
+        shared_db = Path(tmp, f"ops_and_link_{rnd}.json")
+        if rank == 0:
+            db = ProfileDB.load(args.db)
+            db.links["intra_node"] = {"bandwidth_gbs": link.bandwidth_gbs, "latency_us": link.latency_us}
+            db.save(shared_db)
+        dist.barrier()
+        out = {}
+        for name, policy, plan_ngpus in cases:
+            key = f"{name}/{policy}"
+            if (
+                key not in modules
+            ):  # compiled once, in the first round (with its link: autodist plans with it)
+                model, make_batch = zoo.build(name, seed=0)
+                modules[key] = nnscaler.parallelize(
+                    model,
+                    make_batch(DUMMY_SEED, args.batch),
+                    policy,
+                    _config(policy, plan_ngpus, str(shared_db)),
+                    gen_savedir=os.path.join(tmp, "gen", f"{name}_{policy}"),
+                )
+            pm = modules[key]
+            _, make_batch = zoo.build(name, seed=0)
+            data = make_batch(1000 + rank // plan_ngpus, args.batch)
+            times = []
+            for step in range(args.warmup + args.steps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                loss = zoo.extract_loss(pm(**data))
+                loss.backward()
+                pm.sync_grad()  # no-op where backward already settled the gradients
+                if step >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+                pm.zero_grad(set_to_none=False)
+            gathered = [None] * WORLD
+            dist.all_gather_object(gathered, statistics.median(times))
+            out[key] = max(gathered)  # a step ends when its slowest rank is done
+        if rank == 0:
+            Path(tmp, f"measured_{rnd}.json").write_text(json.dumps(out))
+    modules.clear()
     nnscaler.uninit()  # gradient buckets first, then the group
 
 
@@ -140,6 +154,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="link fit + steps, repeated; each row's ratio is the median"
+    )
     ap.add_argument("--db", default=None, help="measured database (default: a file in the temp dir)")
     ap.add_argument("--reprofile", action="store_true", help="measure again even if --db exists")
     args = ap.parse_args()
@@ -153,23 +170,39 @@ def main() -> None:
         db = ProfileDB.load(db_path)
     profile_s = time.perf_counter() - t0
     rows = []
+    links = []
     with tempfile.TemporaryDirectory() as tmp:
         cases = [(m, p, n) for m in models for p, n in PLANS]
         mp.spawn(_step_worker, args=(tmp, cases, args), nprocs=WORLD, join=True)
-        measured = json.loads(Path(tmp, "measured.json").read_text())
-        args.db = str(Path(tmp, "ops_and_link.json"))
-        db = ProfileDB.load(args.db)
-        for name, policy, n in cases:
-            pred = predict(name, policy, n, args.db, Path(tmp) / "plans" / f"{name}_{policy}", args.batch)
-            real = measured[f"{name}/{policy}"]
+        per_round = []  # (link, {case: (predicted, measured)}) per round
+        for rnd in range(args.rounds):
+            measured = json.loads(Path(tmp, f"measured_{rnd}.json").read_text())
+            db_path = str(Path(tmp, f"ops_and_link_{rnd}.json"))
+            db = ProfileDB.load(db_path)
+            links.append(db.links.get("intra_node"))
+            pairs = {}
+            for name, policy, n in cases:
+                # the plan the run compiled (round 0's link) re-costed with this round's link
+                outdir = Path(tmp) / "plans" / f"{name}_{policy}"
+                pred = predict(
+                    name, policy, n, str(Path(tmp, "ops_and_link_0.json")), outdir, args.batch, db_path
+                )
+                pairs[(name, policy, n)] = (pred, measured[f"{name}/{policy}"])
+            per_round.append(pairs)
+        for case in cases:
+            name, policy, n = case
+            preds = [r[case][0]["predicted_s"] for r in per_round]
+            reals = [r[case][1] for r in per_round]
+            ratios_case = sorted(p / m for p, m in zip(preds, reals))
             rows.append(
                 {
                     "model": name,
                     "plan": f"{policy} ComputeConfig({n}, {WORLD})",
-                    "split_ops": pred["split"],
-                    "predicted_ms": round(pred["predicted_s"] * 1e3, 3),
-                    "measured_ms": round(real * 1e3, 3),
-                    "ratio": round(pred["predicted_s"] / real, 3),
+                    "split_ops": per_round[0][case][0]["split"],
+                    "predicted_ms": round(statistics.median(preds) * 1e3, 3),
+                    "measured_ms": round(statistics.median(reals) * 1e3, 3),
+                    "ratio": round(statistics.median(ratios_case), 3),
+                    "ratio_per_round": [round(r, 3) for r in (p / m for p, m in zip(preds, reals))],
                 }
             )
     ratios = [r["ratio"] for r in rows]
@@ -177,7 +210,8 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "cost model (measured database) vs measured step time, 2 gloo processes",
-                "link": db.links.get("intra_node"),
+                "links_per_round": links,
+                "rounds": args.rounds,
                 "ops_measured": len(db.entries),
                 "profile_s": round(profile_s, 1),
                 "rows": rows,
