@@ -166,3 +166,20 @@ def test_flops_follow_a_smaller_micro_batch(zoo_graphs):
     t_full = node_choices(graph, q, full, MemoryModel(), set()).choices[0].compute
     t_half = node_choices(graph, q, half, MemoryModel(), set()).choices[0].compute
     assert t_half == pytest.approx(t_full / 2)
+
+
+def test_views_keep_no_activation_of_their_own(zoo_graphs):
+    """A view shares its input's storage (counted where the input was made); an op that computes a
+    new tensor keeps its output for backward."""
+    from nnscaler.policies.autodist.choices import node_choices
+    from nnscaler.policies.autodist.cost import is_free_op
+
+    graph = zoo_graphs["llama"][0]
+    ctx = CostContext(load_cluster("cpu_gloo"), traced_batch=4)
+    views = [n for n in graph.nodes if n.op in ("aten.view.default", "aten.transpose.int")]
+    assert views and all(is_free_op(n, graph) for n in views)
+    for node in views:
+        assert node_choices(graph, node, ctx, MemoryModel(), set()).choices[0].activation_bytes == 0
+    q = next(n for n in graph.nodes if n.module_path == "model.layers.0.self_attn.q_proj")
+    kept = node_choices(graph, q, ctx, MemoryModel(), set()).choices[0].activation_bytes
+    assert kept == 4 * 16 * 64 * 4  # its (4, 16, 64) float32 output
