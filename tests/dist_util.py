@@ -12,8 +12,16 @@ waiting for it, are given a short grace period and then terminated; when the who
 `timeout` seconds, every child still running is terminated and the error names the ranks that did
 not finish. So a bug fails the test instead of hanging it.
 
-`fn` and its arguments must be picklable (a module-level function; the "spawn" start method
-re-imports its module in the child).
+`fn` and its arguments must be picklable (a module-level function: the child imports its module).
+
+Children are forked from a fork server (`mp_context()`, multiprocessing's "forkserver" start method)
+that has imported torch, transformers' zoo models and the compiler's other libraries once: a
+"spawn"ed child spent 3 to 10 s of CPU importing them, and the suite starts over a thousand children
+on 2 cores. The child is otherwise as fresh as a spawned one: nothing of nnscaler or of the tests is
+imported before it starts, it takes the parent's environment as it is at `spawn` time (`os.environ`
+is replaced by the parent's), and its stdout / stderr are written to files in the run's directory and
+copied to the parent's file descriptors 1 / 2 when the run ends (a fork server's children would
+otherwise write to whatever the server inherited: pytest's capture of the test that started it).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import torch.multiprocessing as mp
 
 from nnscaler.runtime.device import uninit
 
-__all__ = ["spawn", "SpawnError", "DEFAULT_TIMEOUT"]
+__all__ = ["spawn", "SpawnError", "DEFAULT_TIMEOUT", "mp_context", "child_setup", "replay_output"]
 
 DEFAULT_TIMEOUT = 240.0
 """Seconds a whole spawn may take; below the per-test pytest timeout so that ours fires first."""
@@ -48,6 +56,67 @@ FAILURE_GRACE = 10.0
 
 class SpawnError(RuntimeError):
     """One or more ranks failed, crashed or timed out; the message holds every rank's story."""
+
+
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.multiprocessing",
+    "torch.nn.functional",
+    "numpy",
+    "sympy",
+    "networkx",
+    "jinja2",
+    "pulp",
+    "filelock",
+    "safetensors.torch",
+    "yaml",
+    "psutil",
+    "tqdm",
+    # the zoo's transformers models (tests/zoo.py imports them lazily): ~7 s of CPU per child otherwise
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.mistral.modeling_mistral",
+    "transformers.models.mixtral.modeling_mixtral",
+    "transformers.models.bert.modeling_bert",
+    "transformers.models.vit.modeling_vit",
+]
+"""Third-party modules the fork server imports once for all children. Neither nnscaler nor the tests
+are in it: those are imported by each child, in the parent's environment (NNSCALER_LOG, for one, is
+read when nnscaler is imported). A module missing here is skipped by the server, not an error."""
+
+
+def mp_context() -> Any:
+    """The multiprocessing context every multi-process test starts its ranks with (see the module doc)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # takes effect when this process starts its server
+    return ctx
+
+
+def child_setup(workdir: str | os.PathLike, rank: int, env: dict[str, str]) -> None:
+    """First thing in a child: the parent's environment, and stdout / stderr into files in `workdir`
+    (copied back by `replay_output`)."""
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, name, stream in ((1, "stdout", sys.stdout), (2, "stderr", sys.stderr)):
+        stream.flush()
+        out = os.open(Path(workdir, f"{name}_rank{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
+
+
+def replay_output(workdir: str | os.PathLike, world_size: int) -> None:
+    """Copy the children's stdout / stderr files (see `child_setup`) to this process's fds 1 / 2,
+    where a spawned child would have written them (pytest's capture of the running test)."""
+    for fd, name, stream in ((1, "stdout", sys.stdout), (2, "stderr", sys.stderr)):
+        stream.flush()
+        for rank in range(world_size):
+            path = Path(workdir, f"{name}_rank{rank}.txt")
+            if path.exists():
+                data = path.read_bytes()
+                while data:
+                    data = data[os.write(fd, data) :]
 
 
 def _result_path(workdir: Path, rank: int) -> Path:
@@ -68,8 +137,16 @@ def _write_atomically(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _child(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _child(
+    rank: int,
+    world_size: int,
+    workdir: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    env: dict[str, str],
+) -> None:
     wd = Path(workdir)
+    child_setup(wd, rank, env)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -116,9 +193,10 @@ def spawn(
     """
     workdir = Path(tmp_path) / f"spawn_{time.monotonic_ns()}"
     workdir.mkdir(parents=True)
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_child, args=(rank, world_size, str(workdir), fn, args), name=f"rank{rank}")
+        ctx.Process(target=_child, args=(rank, world_size, str(workdir), fn, args, env), name=f"rank{rank}")
         for rank in range(world_size)
     ]
     for p in procs:
@@ -140,6 +218,7 @@ def spawn(
         if timed_out:
             _dump_stacks(procs)
         stopped = _stop(procs)
+        replay_output(workdir, world_size)
 
     # (when, headline, story); sorted by time, since the first failure is usually the cause
     problems: list[tuple[float, str, str]] = []

@@ -3,6 +3,8 @@
 `run_dist(fn, world_size, *args)` calls `fn(rank, world_size, *args)` in every child after the
 default process group is up, and returns the children's return values by rank. A child that raises
 fails the calling test with the child's traceback; a run that does not finish in time is killed.
+The children come from the fork server of tests/dist_util.py (`mp_context`: torch already imported),
+with the parent's environment and their stdout / stderr copied back when the run ends.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
+
+from tests.dist_util import child_setup, mp_context, replay_output
 
 __all__ = ["run_dist"]
 
@@ -41,7 +45,10 @@ def _load(path: str, qualname: str) -> Callable[..., Any]:
     return obj
 
 
-def _child(rank: int, world_size: int, tmp: str, path: str, qualname: str, args: tuple, port: int) -> None:
+def _child(
+    rank: int, world_size: int, tmp: str, path: str, qualname: str, args: tuple, port: int, env: dict
+) -> None:
+    child_setup(tmp, rank, env)
     out = os.path.join(tmp, f"result{rank}.pt")
     try:
         torch.set_num_threads(1)
@@ -84,10 +91,10 @@ def run_dist(
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(
             dist_util._child,
-            args=(world_size, tmp, path, fn.__qualname__, args, port),
+            args=(world_size, tmp, path, fn.__qualname__, args, port, dict(os.environ)),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=mp_context().get_start_method(),
         )
         deadline = time.monotonic() + timeout
         failure = ""
@@ -103,6 +110,7 @@ def run_dist(
                 if p.is_alive():
                     p.kill()
                 p.join()
+            replay_output(tmp, world_size)
         results, errors = [], []
         for rank in range(world_size):
             file = os.path.join(tmp, f"result{rank}.pt")
