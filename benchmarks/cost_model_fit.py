@@ -115,19 +115,17 @@ def _step_worker(rank: int, tmp: str, cases: list, args: argparse.Namespace) -> 
         out = {}
         for name, policy, plan_ngpus in cases:
             key = f"{name}/{policy}"
-            if (
-                key not in modules
-            ):  # compiled once, in the first round (with its link: autodist plans with it)
+            if key not in modules:  # compiled once, in the first round (autodist plans with its link)
                 model, make_batch = zoo.build(name, seed=0)
-                modules[key] = nnscaler.parallelize(
+                pm = nnscaler.parallelize(
                     model,
                     make_batch(DUMMY_SEED, args.batch),
                     policy,
                     _config(policy, plan_ngpus, str(shared_db)),
                     gen_savedir=os.path.join(tmp, "gen", f"{name}_{policy}"),
                 )
-            pm = modules[key]
-            _, make_batch = zoo.build(name, seed=0)
+                modules[key] = (pm, make_batch)
+            pm, make_batch = modules[key]
             data = make_batch(1000 + rank // plan_ngpus, args.batch)
             times = []
             for step in range(args.warmup + args.steps):

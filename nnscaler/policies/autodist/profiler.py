@@ -8,9 +8,9 @@ one and the analytic roofline elsewhere (pas_config['profile_db_path']).
 Ops whose local code is not the op on local shards (views with shape arguments, specials) and ops
 that fail to run on random inputs are left to the analytic model.
 
-`profile_link()`, called on every rank of a live process group, times all-reduces of several sizes (each started from a barrier)
-and fits the alpha-beta link of the cost model (comm.ring_all_reduce) to them; stored in the
-database (`db.links['intra_node']`), it replaces the cluster file's figure for that link.
+`profile_link()`, called on every rank of a live process group, times chains of all-reduces of
+several sizes (as a step meets them) and fits the alpha-beta link of the cost model
+(comm.ring_all_reduce) to them; stored in the database (`db.links['intra_node']`), it replaces the cluster file's figure for that link.
 """
 
 from __future__ import annotations
