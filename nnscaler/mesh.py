@@ -11,9 +11,10 @@ every plan has: plan, dp and ZeRO.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-__all__ = ["ParallelDims"]
+__all__ = ["ParallelDims", "mesh_axis_groups", "rank_axis_groups"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +93,27 @@ class ParallelDims:
             parts += p
             crosses += c
         return parts, crosses
+
+
+def mesh_axis_groups(tp_group: list[int], mesh: tuple[int, ...]) -> list[list[list[int]]]:
+    """Per axis of `mesh` laid over `tp_group` (row-major, axis 0 outermost): the groups of its ranks that
+    differ only in that axis's coordinate, e.g. [[0, 2], [1, 3]] and [[0, 1], [2, 3]] for a 2 x 2 mesh."""
+    if len(tp_group) != math.prod(mesh):
+        raise ValueError(f"a mesh {tuple(mesh)} needs {math.prod(mesh)} ranks, the group has {len(tp_group)}")
+    out = []
+    for k in range(len(mesh)):
+        stride = math.prod(mesh[k + 1 :])
+        groups = []
+        for i in range(len(tp_group)):
+            if (i // stride) % mesh[k] == 0:  # the first rank along axis k
+                groups.append([tp_group[i + j * stride] for j in range(mesh[k])])
+        out.append(groups)
+    return out
+
+
+def rank_axis_groups(tp_group: list[int], mesh: tuple[int, ...], rank: int) -> dict[str, list[int]]:
+    """The groups named `tp_axis{k}` that generated code uses for `rank` (a member of `tp_group`)."""
+    return {
+        f"tp_axis{k}": next(g for g in groups if rank in g)
+        for k, groups in enumerate(mesh_axis_groups(tp_group, mesh))
+    }

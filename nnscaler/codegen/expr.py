@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from nnscaler.graph.ir import ModeValue, Ref, SymExpr
+from nnscaler.graph.ir import ModeValue, Ref, SymExpr, mesh_coords
 from nnscaler.graph.ops.custom import op_emitter
-from nnscaler.partition import GROUP, RankScaled, Statement
+from nnscaler.partition import GROUP, AxisGroup, RankScaled, Statement
 
 __all__ = ["Formatter", "statement_code"]
 
@@ -30,8 +30,11 @@ class Formatter:
         rank: int = 0,
         plan_ngpus: int = 1,
         runtime_ngpus: int = 1,
+        mesh: tuple[int, ...] = (),
     ):
         self.tp_index = tp_index
+        self.mesh = mesh
+        """The tensor-parallel group as a mesh (2-D splits); () when every split spans the group."""
         self.rank, self.plan_ngpus, self.runtime_ngpus = rank, plan_ngpus, runtime_ngpus
         """The global rank and device counts the code is for (register_op's emit_fn gets them)."""
         self.param_names = param_names
@@ -44,8 +47,11 @@ class Formatter:
             return f"self.{obj.name}" if obj.name in self.param_names else obj.name
         if obj is GROUP:
             return "tp"
+        if isinstance(obj, AxisGroup):
+            return f"tp_axis{obj.axis}"
         if isinstance(obj, RankScaled):
-            return str(self.tp_index * obj.scale)
+            index = self.tp_index if obj.axis is None else mesh_coords(self.tp_index, self.mesh)[obj.axis]
+            return str(index * obj.scale)
         if isinstance(obj, SymExpr):  # a size computed from the input shapes at run time
             return obj.code
         if isinstance(obj, ModeValue):  # follows the generated module's train()/eval()

@@ -22,6 +22,7 @@ from nnscaler.codegen.view_model import (
 )
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import CodegenError
+from nnscaler.mesh import mesh_axis_groups, rank_axis_groups
 from nnscaler.partition import LocalTensor, PipelineProgram
 
 __all__ = ["PipelineLayout", "build_pipeline_view"]
@@ -128,6 +129,7 @@ def build_pipeline_view(
     ways = pprog.tp_size
     tensors = _stage_tensors(pprog, mine)
     param_names = {t.name for t in tensors}
+    mesh = pprog.stages[0].program.mesh if pprog.stages else ()
     fmt = Formatter(
         tp_index,
         param_names,
@@ -135,8 +137,9 @@ def build_pipeline_view(
         rank=rank,
         plan_ngpus=cfg.plan_ngpus,
         runtime_ngpus=cfg.runtime_ngpus,
+        mesh=mesh,
     )
-    shards, aliases = shard_lines(tensors, tp_index, ways)
+    shards, aliases = shard_lines(tensors, tp_index, ways, mesh)
     tied = _tied_groups(pprog)
     tied_lines = [
         f"self.add_tied({literal(name)}, {[layout.rank(base, g, tp_index) for g in groups]})"
@@ -151,6 +154,12 @@ def build_pipeline_view(
         cfg.dims.dp_group(r) for r in range(cfg.plan_ngpus)
     ]
     groups = {"tp": layout.tp_group(rank), "dp": dp_group, "pp": layout.pp_group(rank)}
+    if mesh:
+        groups.update(rank_axis_groups(layout.tp_group(rank), mesh, rank))
+        tp_groups = {tuple(layout.tp_group(r)) for r in range(cfg.runtime_ngpus)}
+        all_groups += [
+            g for tp in sorted(tp_groups) for axis in mesh_axis_groups(list(tp), mesh) for g in axis
+        ]
     init_call = (
         f"super().__init__(rank={rank}, world_size={cfg.runtime_ngpus}, plan_ngpus={cfg.plan_ngpus}, "
         f"groups={groups}, all_groups={all_groups})"
@@ -211,6 +220,7 @@ def build_pipeline_view(
         ),
     )
     view.stage_specs = specs
+    view.mesh_groups = [f"tp_axis{k}" for k in range(len(mesh))]
     view.stage_spec_sizes = [f'{n} = mb["{n}"]' for n in spec_sizes]
     view.uses_math = uses_math([(st.args, st.kwargs) for st in statements]) or any(
         "math." in c for codes in specs.values() for c in codes

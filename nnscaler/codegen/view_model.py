@@ -11,8 +11,9 @@ from nnscaler.codegen.schedule_code import plain_infer_lines, plain_train_lines
 from nnscaler.codegen.sections import build_sections
 from nnscaler.codegen.shape_code import rule_check_lines, size_check_lines, uses_math
 from nnscaler.config import ComputeConfig
-from nnscaler.graph.ir import Replicate, Shard, iter_refs
+from nnscaler.graph.ir import MeshLayout, Replicate, Shard, iter_refs, storage_shard
 from nnscaler.graph.ops import op_module
+from nnscaler.mesh import mesh_axis_groups, rank_axis_groups
 from nnscaler.partition import LocalTensor, Program, Statement
 
 __all__ = [
@@ -92,6 +93,8 @@ class ModuleView:
     """Pipeline stage methods (then `forward` only explains how to call the module)."""
     input_names: list[str] = field(default_factory=list)
     """Pipelines: the traced input values (and input sizes) `micro_batch_inputs` returns."""
+    mesh_groups: list[str] = field(default_factory=list)
+    """2-D splits: the mesh-axis groups (`tp_axis0`, ...) forward uses besides `tp`."""
     stage_specs: dict[int, list[str]] = field(default_factory=dict)
     """Pipelines: stage -> TensorSpec code of each activation it receives."""
     stage_spec_sizes: list[str] = field(default_factory=list)
@@ -102,13 +105,14 @@ class ModuleView:
     schedule_doc: str = ""
 
 
-def _shard_arg(layout, tp_index: int, ways: int) -> str:
-    if isinstance(layout, Shard) and ways > 1:
-        return f", shard=({layout.dim}, {tp_index}, {ways}, {layout.blocks})"
-    return ""
+def _shard_arg(layout, tp_index: int, ways: int, mesh: tuple[int, ...] = ()) -> str:
+    shard = storage_shard(layout, tp_index, mesh or (ways,))
+    return f", shard={shard}" if shard is not None else ""
 
 
 def _shard_comment(t, layout, ways: int) -> str:
+    if isinstance(layout, MeshLayout):
+        return f"mesh layout {layout}"
     if isinstance(layout, Shard) and ways > 1:
         what = "rows" if layout.dim == 0 else f"dim {layout.dim}"
         blocks = f" of each of {layout.blocks} blocks" if layout.blocks > 1 else ""
@@ -160,8 +164,9 @@ def build_module_view(
         rank=rank,
         plan_ngpus=cfg.plan_ngpus,
         runtime_ngpus=cfg.runtime_ngpus,
+        mesh=program.mesh,
     )
-    shards, aliases = shard_lines(program.tensors, tp_index, ways)
+    shards, aliases = shard_lines(program.tensors, tp_index, ways, program.mesh)
     sections, uses_checkpoint = build_sections(
         program, fmt, lambda s: _trailing(s, program, full_shapes), CodeLine, Section
     )
@@ -178,9 +183,18 @@ def build_module_view(
         for m in sorted({t.rsplit(".", 1)[0] for t in _spec_types(spec) if "." in t} if spec_json else set())
     ]
     imports += custom_op_imports(program.statements)
+    groups = {"tp": tp_group, "dp": dp_group}
+    if program.mesh:
+        groups.update(rank_axis_groups(tp_group, program.mesh, rank))
+        all_groups += [
+            g
+            for plan in cfg.dims.plan_groups()
+            for axis in mesh_axis_groups(plan, program.mesh)
+            for g in axis
+        ]
     init_call = (
         f"super().__init__(rank={rank}, world_size={cfg.runtime_ngpus}, plan_ngpus={cfg.plan_ngpus}, "
-        f'groups={{"tp": {tp_group}, "dp": {dp_group}}}, all_groups={all_groups})'
+        f"groups={json.dumps(groups)}, all_groups={all_groups})"
     )
     defaults = [f"{k}={v!r}" for k, v in program.untraced_args.items()]
     signature = ", ".join(["self"] + program.forward_args + defaults)
@@ -203,6 +217,7 @@ def build_module_view(
         uses_checkpoint,
     )
     view.uses_math = uses_math([(s.args, s.kwargs) for s in program.statements])
+    view.mesh_groups = [f"tp_axis{k}" for k in range(len(program.mesh))]
     if cfg.use_end2end:
         view.class_attrs = end2end_attrs(program.forward_args, 1, rank)
         view.train_step, view.infer_step = plain_train_lines(), plain_infer_lines()
@@ -238,14 +253,16 @@ def constants_attrs(program: Program) -> list[str]:
     return [f'constants_file = "constants.pt"  # values of {names}: made in forward, non-persistent buffers']
 
 
-def shard_lines(tensors: list[LocalTensor], tp_index: int, ways: int) -> tuple[list[ShardLine], list[str]]:
+def shard_lines(
+    tensors: list[LocalTensor], tp_index: int, ways: int, mesh: tuple[int, ...] = ()
+) -> tuple[list[ShardLine], list[str]]:
     """`add_shard` lines for this rank's parameters and buffers, and `add_alias` lines for tied names."""
     shards = []
     for t in tensors:
         kind = "" if t.is_param else ", is_param=False" + ("" if t.persistent else ", persistent=False")
         code = (
             f"self.add_shard({literal(t.name)}, {literal(t.original_name)}, {tuple(t.full_shape)}, torch.{t.dtype}"
-            f"{_shard_arg(t.layout, tp_index, ways)}{kind})"
+            f"{_shard_arg(t.layout, tp_index, ways, mesh)}{kind})"
         )
         shards.append(ShardLine(code, _shard_comment(t, t.layout, ways)))
     aliases = [

@@ -1,7 +1,7 @@
 """Partition: per-rank programs from a graph and a plan, with communication between layouts."""
 
 from nnscaler.partition.apply_plan import apply_plan, local_shape
-from nnscaler.partition.convert import GROUP, conversion_steps
+from nnscaler.partition.convert import GROUP, AxisGroup, conversion_steps
 from nnscaler.partition.pipeline import PipelineProgram, StageProgram, apply_pipeline
 from nnscaler.partition.program import LocalTensor, Program, RankScaled, Statement
 
@@ -12,6 +12,7 @@ __all__ = [
     "StageProgram",
     "local_shape",
     "GROUP",
+    "AxisGroup",
     "conversion_steps",
     "LocalTensor",
     "Program",

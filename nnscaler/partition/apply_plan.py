@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from nnscaler.errors import PartitionError
 from nnscaler.graph.ir import (
     Graph,
     Layout,
+    MeshLayout,
     Node,
     Partial,
     Ref,
@@ -16,10 +18,14 @@ from nnscaler.graph.ir import (
     Shard,
     TensorMeta,
     map_refs,
+    mesh_layout,
+    placements_of,
+    split_factors,
+    storage_shard,
     sym_floordiv,
 )
-from nnscaler.graph.ops import annotate_node, get_rule, is_bias_split, layouts_for
-from nnscaler.partition.convert import GROUP, conversion_steps
+from nnscaler.graph.ops import annotate_node, get_rule, is_bias_split, layouts_for, mesh_layouts_for
+from nnscaler.partition.convert import GROUP, AxisGroup, conversion_steps
 from nnscaler.partition.program import LocalTensor, Program, RankScaled, Statement
 from nnscaler.policies import Plan
 
@@ -34,19 +40,45 @@ _SHAPE_ARG_OPS = {
 _CE_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
-def local_shape(shape: tuple[int, ...], layout: Layout, ways: int) -> tuple[int, ...]:
-    if isinstance(layout, Shard) and ways > 1:
-        out = list(shape)
-        out[layout.dim] //= ways
-        return tuple(out)
-    return tuple(shape)
+def local_shape(
+    shape: tuple[int, ...], layout: Layout, ways: int, mesh: tuple[int, ...] | None = None
+) -> tuple[int, ...]:
+    """The shape one device holds of a tensor of `shape` in `layout` over `ways` devices (as `mesh`)."""
+    out = list(shape)
+    for dim, parts in split_factors(layout, mesh or (ways,)).items():
+        out[dim] //= parts
+    return tuple(out)
+
+
+def _node_layouts(bound, rule, np, mesh: tuple[int, ...]):
+    """SplitLayouts (or why not) of a node's plan: 1-D over all devices, or per mesh axis."""
+    if np.mesh_splits:
+        return mesh_layouts_for(bound, rule, np.mesh_splits, mesh)
+    return layouts_for(bound, rule, np.split, np.ways if np.split else 1, np.blocks)
+
+
+def _storable(layout: Layout, mesh: tuple[int, ...]) -> Layout:
+    """A layout a parameter can be stored in: cut along one dim at most (keep the outermost axis's)."""
+    if not isinstance(layout, MeshLayout):
+        return layout
+    try:
+        storage_shard(layout, 0, mesh)
+        return layout
+    except ValueError:
+        first = next(p for p in layout.placements if isinstance(p, Shard))
+        return mesh_layout([p if p == first else Replicate() for p in layout.placements])
 
 
 class _Partitioner:
     def __init__(self, graph: Graph, plan: Plan, forced_layouts: dict[str, Layout] | None = None):
         self.graph, self.plan, self.ways = graph, plan, plan.plan_ngpus
+        self.mesh: tuple[int, ...] = plan.mesh or (self.ways,)
+        if math.prod(self.mesh) != self.ways:
+            raise PartitionError(f"plan mesh {plan.mesh} does not have {self.ways} devices")
         self.forced = _check_forced(graph, forced_layouts or {}, self.ways)
-        self.program = Program(ways=self.ways, forward_args=list(graph.forward_args), out_spec=graph.out_spec)
+        self.program = Program(
+            ways=self.ways, mesh=plan.mesh, forward_args=list(graph.forward_args), out_spec=graph.out_spec
+        )
         self.layouts: dict[str, Layout] = {name: Replicate() for name in graph.inputs}
         self.names: set[str] = set(graph.values)
         self.cache: dict[tuple[str, Any], str] = {}
@@ -62,28 +94,30 @@ class _Partitioner:
     def _require_divisible(self, name: str, layout: Layout) -> None:
         """A split of a size that may change between calls: the generated forward checks it divides."""
         full = self.graph.values[name].meta if name in self.graph.values else None
-        if full is None or full.sym is None or not isinstance(layout, Shard) or self.ways == 1:
+        if full is None or full.sym is None:
             return
-        code = full.sym[layout.dim]
-        if code is None:
-            return
-        parts = self.ways * layout.blocks
-        test = f"{code} % {parts} == 0" if code.replace("_", "").isalnum() else f"({code}) % {parts} == 0"
-        if any(r.code == test for r in self.program.shape_rules):
-            return
-        value = self.graph.values[name]
-        producer = self.graph.node(value.producer) if value.producer else None
-        what = f"{name} (made at {producer.source})" if producer is not None and producer.source else name
-        self.program.shape_rules.append(
-            ShapeRule(test, f"the plan splits dim {layout.dim} of {what} over {parts} parts")
-        )
+        blocks = {p.dim: p.blocks for p in placements_of(layout, len(self.mesh)) if isinstance(p, Shard)}
+        for dim, ways in split_factors(layout, self.mesh).items():
+            code = full.sym[dim]
+            if code is None:
+                continue
+            parts = ways * blocks[dim]
+            test = f"{code} % {parts} == 0" if code.replace("_", "").isalnum() else f"({code}) % {parts} == 0"
+            if any(r.code == test for r in self.program.shape_rules):
+                continue
+            value = self.graph.values[name]
+            producer = self.graph.node(value.producer) if value.producer else None
+            what = f"{name} (made at {producer.source})" if producer is not None and producer.source else name
+            self.program.shape_rules.append(
+                ShapeRule(test, f"the plan splits dim {dim} of {what} over {parts} parts")
+            )
 
     def _meta(self, name: str, layout: Layout) -> None:
         self._require_divisible(name, layout)
         full = self.graph.values[name].meta if name in self.graph.values else None
         if full is not None:
             self.program.local_meta[name] = TensorMeta(
-                local_shape(full.shape, layout, self.ways), full.dtype, full.requires_grad
+                local_shape(full.shape, layout, self.ways, self.mesh), full.dtype, full.requires_grad
             )
 
     def _emit(self, stmt: Statement) -> None:
@@ -93,8 +127,9 @@ class _Partitioner:
         meta = self.graph.values[name].meta
         return bool(meta is not None and meta.requires_grad and meta.is_float)
 
-    def _convert(self, name: str, dst: Layout, node: Node | None, sync_grad: bool) -> str:
-        """Local name of value `name` in layout dst; `sync_grad` adds Megatron's f for split consumers."""
+    def _convert(self, name: str, dst: Layout, node: Node | None, sync: tuple = ()) -> str:
+        """Local name of value `name` in layout dst; `sync` names the groups (GROUP or mesh axes) over which
+        a split consumer's gradient for it is a partial sum: Megatron's f over each."""
         src = self.layouts[name]
         cur = name
         key = (name, str(dst))
@@ -103,7 +138,7 @@ class _Partitioner:
                 cur = self.cache[key]
             else:
                 layout = src
-                for step in conversion_steps(src, dst):
+                for step in conversion_steps(src, dst, len(self.mesh)):
                     out = self._fresh(f"{name}_{step.suffix}")
                     self._emit(
                         Statement(
@@ -123,15 +158,15 @@ class _Partitioner:
                     self.graph_meta_alias(out, name, layout)
                     cur = out
                 self.cache[key] = cur
-        if sync_grad and isinstance(dst, Replicate) and self._needs_grad(name):
-            fkey = (cur, "f")
+        for group in sync if self._needs_grad(name) else ():
+            fkey = (cur, "f", group)
             if fkey not in self.cache:
                 out = self._fresh(f"{name}_tp")
                 self._emit(
                     Statement(
                         "comm",
                         "copy_to_group",
-                        (Ref(cur), GROUP),
+                        (Ref(cur), group),
                         {},
                         [out],
                         node.name if node else None,
@@ -147,12 +182,27 @@ class _Partitioner:
             cur = self.cache[fkey]
         return cur
 
+    def _sync_groups(self, np, dst: Layout, skip_axes: frozenset[int]) -> tuple:
+        """Where a consumer split per `np` that reads an input in `dst` returns partial gradients: over
+        every axis it splits on while holding the input whole along it (not the axes in skip_axes)."""
+        if not np.mesh_splits:
+            return (GROUP,) if isinstance(dst, Replicate) and not skip_axes else ()
+        placements = placements_of(dst, len(self.mesh))
+        axes = [
+            k
+            for k, (ident, _) in enumerate(np.mesh_splits)
+            if ident is not None and isinstance(placements[k], Replicate) and k not in skip_axes
+        ]
+        if len(axes) == len(self.mesh) and len(axes) > 1:
+            return (GROUP,)
+        return tuple(AxisGroup(k) for k in axes)
+
     def graph_meta_alias(self, new: str, orig: str, layout: Layout) -> None:
         self._require_divisible(orig, layout)
         full = self.graph.values[orig].meta
         if full is not None:
             self.program.local_meta[new] = TensorMeta(
-                local_shape(full.shape, layout, self.ways), full.dtype, full.requires_grad
+                local_shape(full.shape, layout, self.ways, self.mesh), full.dtype, full.requires_grad
             )
 
     # ---- parameters ----------------------------------------------------------------------------
@@ -167,11 +217,11 @@ class _Partitioner:
             if bound is None:
                 reqs: list[Layout | None] = [Replicate()] * len(refs)
             else:
-                lay = layouts_for(bound, get_rule(node.op), np.split, np.ways if np.split else 1, np.blocks)
+                lay = _node_layouts(bound, get_rule(node.op), np, self.mesh)
                 reqs = lay.inputs if not isinstance(lay, str) else [Replicate()] * len(refs)
             for ref, req in zip(refs, reqs):
                 if self.graph.values[ref.name].kind in ("param", "buffer") and ref.name not in chosen:
-                    chosen[ref.name] = req or Replicate()
+                    chosen[ref.name] = _storable(req or Replicate(), self.mesh)
         for v in self.graph.values.values():
             if v.kind not in ("param", "buffer"):
                 continue
@@ -210,7 +260,7 @@ class _Partitioner:
             self._node(node)
         out_refs = {}
         for ref in (r for r in _iter(self.graph.outputs)):
-            out_refs[ref.name] = self._convert(ref.name, Replicate(), None, sync_grad=False)
+            out_refs[ref.name] = self._convert(ref.name, Replicate(), None)
         self.program.outputs = map_refs(self.graph.outputs, lambda r: Ref(out_refs[r.name]))
         self.program.layouts = dict(self.layouts)
         self.program.module_classes = dict(self.graph.module_classes)
@@ -220,22 +270,27 @@ class _Partitioner:
         np = self.plan.node(node.name)
         bound = annotate_node(node, self.graph)
         rule = get_rule(node.op)
-        split = np.split is not None and np.ways > 1 and bound is not None
+        split = np.is_split and bound is not None
         refs = _tensor_refs(node, self.graph)
         if split:
-            lay = layouts_for(bound, rule, np.split, np.ways, np.blocks)
+            lay = _node_layouts(bound, rule, np, self.mesh)
             if isinstance(lay, str):
-                raise PartitionError(f"node {node.name} ({node.op}) cannot be split on {np.split!r}: {lay}")
+                raise PartitionError(
+                    f"node {node.name} ({node.op}) cannot be split as {np.describe()}: {lay}"
+                )
             reqs, outs = [r or Replicate() for r in lay.inputs], [o or Replicate() for o in lay.outputs]
         else:
             reqs, outs = [Replicate()] * len(refs), [Replicate()] * len(node.outputs)
-        bias_split = split and is_bias_split(bound, rule, np.split, np.ways)
+        split_axes = self._split_axes(np) if split else ()
+        bias_axes = frozenset(k for k, (ident, ways) in split_axes if is_bias_split(bound, rule, ident, ways))
+        bias_split = bool(bias_axes)
         local = {}
         for i, (ref, req) in enumerate(zip(refs, reqs)):
             if ref.name not in local:
                 # the bias of a row-parallel op is added after the reduction, by every rank alike: no f
-                sync = split and not (bias_split and i == rule.bias_input)
-                local[ref.name] = self._convert(ref.name, req, node, sync_grad=sync)
+                skip = bias_axes if bias_split and i == rule.bias_input else frozenset()
+                sync = self._sync_groups(np, req, skip) if split else ()
+                local[ref.name] = self._convert(ref.name, req, node, sync)
         args = map_refs(node.args, lambda r: Ref(local.get(r.name, r.name)))
         kwargs = map_refs(node.kwargs, lambda r: Ref(local.get(r.name, r.name)))
         for out, layout in zip(node.outputs, outs):
@@ -253,7 +308,9 @@ class _Partitioner:
         if not split:
             self._emit(Statement("op", node.op, tuple(args), kwargs, list(node.outputs), **common, **multi))
             return
-        special = rule.specials.get(np.split) if rule else None
+        specials = {
+            k: rule.specials[ident] for k, (ident, _) in split_axes if rule and ident in rule.specials
+        }
         if node.op == "aten.dropout.default":
             # a sharded activation: each shard needs its own mask (see nnscaler.runtime.rng)
             p, train = args[1], args[2]
@@ -261,75 +318,150 @@ class _Partitioner:
                 Statement(
                     "special",
                     "rng.sharded_dropout",
-                    (args[0], p, train, GROUP),
+                    (args[0], p, train, self._shard_group(node, split_axes)),
                     {},
                     list(node.outputs),
                     **common,
                 )
             )
-        elif special is not None:
-            self._special(node, special.emit, bound, np, args, kwargs, common)
+        elif specials:
+            # other axes may split the batch: a mean over it is then each device's share (as below)
+            mean = rule.mean_scale(_call(node, self.graph)) if callable(rule.mean_scale) else rule.mean_scale
+            others = [(k, s) for k, s in split_axes if k not in specials]
+            reduced = math.prod(ways for _, (ident, ways) in others if bound.anno.flag_of(ident) == "+")
+            if mean and reduced > 1:
+                tmp = self._fresh(f"{node.outputs[0]}_local")
+                self._special(node, specials, split_axes, bound, args, kwargs, common, [tmp])
+                self.program.local_meta[tmp] = self.program.local_meta[node.outputs[0]]
+                common["note"] = "mean over a split dim: each device's share of the mean (partial sums)"
+                self._emit(Statement("scale", "div", (Ref(tmp), reduced), {}, list(node.outputs), **common))
+            else:
+                self._special(node, specials, split_axes, bound, args, kwargs, common, list(node.outputs))
         elif bias_split:
-            self._bias_split(node, rule.bias_input, args, kwargs, common)
+            self._bias_split(node, rule.bias_input, bias_axes, outs[0], args, kwargs, common)
         else:
             args = self._localise_args(node, args)
             if node.op == "aten.scaled_dot_product_attention.default":
                 dropout_p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+                if dropout_p and self._shard_group(node, split_axes) is not GROUP:
+                    raise PartitionError(
+                        f"node {node.name} ({node.op}, {node.source}): attention with dropout split on some mesh "
+                        "axes only; split it on every axis or on one (split/ways)"
+                    )
                 multi["shard_rng"] = bool(dropout_p)  # each shard of heads needs its own masks
             mean = rule.mean_scale(_call(node, self.graph)) if callable(rule.mean_scale) else rule.mean_scale
-            if mean and bound.anno.flag_of(np.split) == "+":
+            reduced = math.prod(ways for _, (ident, ways) in split_axes if bound.anno.flag_of(ident) == "+")
+            if mean and reduced > 1:
                 tmp = self._fresh(f"{node.outputs[0]}_local")
                 self._emit(Statement("op", node.op, tuple(args), kwargs, [tmp], **common))
                 self.program.local_meta[tmp] = self.program.local_meta[node.outputs[0]]
                 common["note"] = "mean over a split dim: each device's share of the mean (partial sums)"
-                self._emit(Statement("scale", "div", (Ref(tmp), np.ways), {}, list(node.outputs), **common))
+                self._emit(Statement("scale", "div", (Ref(tmp), reduced), {}, list(node.outputs), **common))
             else:
                 self._emit(
                     Statement("op", node.op, tuple(args), kwargs, list(node.outputs), **common, **multi)
                 )
 
+    def _split_axes(self, np) -> tuple[tuple[int, tuple[str, int]], ...]:
+        """(axis, (identifier, devices)) of each split: one entry spanning all devices for a 1-D split
+        (axis -1: the whole group), else one per mesh axis the node is split on."""
+        if not np.mesh_splits:
+            return ((-1, (np.split, np.ways)),)
+        return tuple((k, (ident, self.mesh[k])) for k, (ident, _) in enumerate(np.mesh_splits) if ident)
+
+    def _group_of(self, axes) -> object:
+        """The group spanning the given split axes (-1 or all of them: the whole group)."""
+        axes = sorted(axes)
+        if axes == [-1] or len(axes) == len(self.mesh):
+            return GROUP
+        if len(axes) == 1:
+            return AxisGroup(axes[0])
+        raise PartitionError(f"no group spans mesh axes {axes} of mesh {self.mesh}")
+
+    def _shard_group(self, node: Node, split_axes) -> object:
+        """The group whose rank tells this device's shard apart (random ops draw a stream per shard)."""
+        return self._group_of([k for k, _ in split_axes])
+
     def _localise_args(self, node: Node, args: tuple) -> tuple:
         """Divide the shape arguments of split dims by the split (sizes may be run-time expressions)."""
         if not node.outputs or node.outputs[0] not in self.layouts:
             return args
-        layout = self.layouts[node.outputs[0]]
-        if not isinstance(layout, Shard):
-            return args
-        d = layout.dim
+        factors = split_factors(self.layouts[node.outputs[0]], self.mesh)
+        for d, ways in sorted(factors.items()):
+            args = self._localise_dim(node, args, d, ways)
+        return args
+
+    def _localise_dim(self, node: Node, args: tuple, d: int, ways: int) -> tuple:
         if node.op in _SHAPE_ARG_OPS:
             sizes = list(args[1])
-            sizes[d] = _local_size(sizes[d], self.ways)
+            sizes[d] = _local_size(sizes[d], ways)
             return (args[0], sizes, *args[2:])
         if node.op == "aten.unflatten.int":
             dim, sizes = args[1], list(args[2])
             dim %= len(self.graph.values[node.input_names()[0]].meta.shape)
             if dim <= d < dim + len(sizes):
-                sizes[d - dim] = _local_size(sizes[d - dim], self.ways)
+                sizes[d - dim] = _local_size(sizes[d - dim], ways)
             return (args[0], dim, sizes, *args[3:])
         if node.op == "aten.split.Tensor":
             dim = (args[2] if len(args) > 2 else 0) % len(self.graph.values[node.outputs[0]].meta.shape)
             if dim == d:
-                return (args[0], _local_size(args[1], self.ways), *args[2:])
+                return (args[0], _local_size(args[1], ways), *args[2:])
         return args
 
-    def _special(self, node: Node, emit: str, bound, np, args, kwargs, common) -> None:
+    def _special(self, node: Node, specials: dict, split_axes, bound, args, kwargs, common, outputs) -> None:
+        """Vocab-parallel embedding / cross entropy over the axis that splits the vocabulary (the whole
+        group for a 1-D split); other mesh axes split other dims (the batch), which the local code keeps."""
+        emits = {sp.emit: k for k, sp in specials.items()}
+        if set(emits) == {"batch_parallel_cross_entropy", "vocab_parallel_cross_entropy"}:
+            vocab_axis, batch_axis = (
+                emits["vocab_parallel_cross_entropy"],
+                emits["batch_parallel_cross_entropy"],
+            )
+            ways = dict(split_axes)[vocab_axis][1]
+            refs = [a for a in _iter((args, kwargs))]
+            ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
+            reduction = _CE_REDUCTIONS[args[3] if len(args) > 3 else kwargs.get("reduction", 1)]
+            call_args = (
+                refs[0],
+                refs[1],
+                RankScaled(bound.sizes["c"] // ways, vocab_axis),
+                AxisGroup(vocab_axis),
+                AxisGroup(batch_axis),
+            )
+            extra = {"ignore_index": ignore, "reduction": reduction}
+            self._emit(
+                Statement(
+                    "special", "batch_vocab_parallel_cross_entropy", call_args, extra, outputs, **common
+                )
+            )
+            return
+        if len(specials) != 1:
+            raise PartitionError(
+                f"node {node.name} ({node.op}, {node.source}) has local code for one split at a time; "
+                "split its vocabulary on one mesh axis"
+            )
+        ((axis, special),) = specials.items()
+        ways = dict(split_axes)[axis][1]
+        emit = special.emit
+        group = self._group_of([axis])
+        rank_axis = None if group is GROUP else axis
         refs = [a for a in _iter((args, kwargs))]
         if emit == "vocab_parallel_embedding":
             vocab = bound.sizes["v"]
             padding = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
             extra = {"padding_idx": padding} if padding is not None and padding >= 0 else {}
-            call_args = (refs[1], refs[0], RankScaled(vocab // np.ways))
+            call_args = (refs[1], refs[0], RankScaled(vocab // ways, rank_axis))
         else:
             ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
             reduction = _CE_REDUCTIONS[args[3] if len(args) > 3 else kwargs.get("reduction", 1)]
             extra = {"ignore_index": ignore, "reduction": reduction}
             if emit == "vocab_parallel_cross_entropy":
-                call_args = (refs[0], refs[1], RankScaled(bound.sizes["c"] // np.ways), GROUP)
+                call_args = (refs[0], refs[1], RankScaled(bound.sizes["c"] // ways, rank_axis), group)
             else:
-                call_args = (refs[0], refs[1], GROUP)
-        self._emit(Statement("special", emit, call_args, extra, list(node.outputs), **common))
+                call_args = (refs[0], refs[1], group)
+        self._emit(Statement("special", emit, call_args, extra, outputs, **common))
 
-    def _bias_split(self, node: Node, bias_input: int, args, kwargs, common) -> None:
+    def _bias_split(self, node: Node, bias_input: int, bias_axes, out_layout, args, kwargs, common) -> None:
         refs = list(_iter((args, kwargs)))
         bias = refs[bias_input]
         out = node.outputs[0]
@@ -338,11 +470,16 @@ class _Partitioner:
             self._emit(Statement("op", "aten.mm.default", (refs[1], refs[2]), {}, [partial], **common))
         else:
             self._emit(Statement("op", node.op, (refs[0], refs[1]), {}, [partial], **common))
-        self.layouts[partial] = Partial()
-        self.graph_meta_alias(partial, out, Replicate())
+        placements = list(placements_of(out_layout, len(self.mesh)))
+        for k in bias_axes:
+            for j in range(len(self.mesh)) if k == -1 else (k,):
+                placements[j] = Partial()
+        self.layouts[partial] = mesh_layout(placements)
+        self.graph_meta_alias(partial, out, out_layout)
         reduced = self._fresh(f"{out}_reduced")
-        self._emit(Statement("comm", "reduce_from_group", (Ref(partial), GROUP), {}, [reduced], **common))
-        self.graph_meta_alias(reduced, out, Replicate())
+        group = self._group_of(bias_axes)
+        self._emit(Statement("comm", "reduce_from_group", (Ref(partial), group), {}, [reduced], **common))
+        self.graph_meta_alias(reduced, out, out_layout)
         common = {**common, "note": "bias added once, after the reduction"}
         self._emit(Statement("bias", "add", (Ref(reduced), bias), {}, [out], **common))
 

@@ -74,6 +74,7 @@ def apply_pipeline(graph: Graph, plan: Plan) -> PipelineProgram:
             plan.tp_size,
             {n.name: plan.node(n.name) for n in piece.graph.nodes if n.name in plan.nodes},
             recompute=plan.recompute,
+            mesh=plan.mesh,
         )
         for piece in pieces
     ]

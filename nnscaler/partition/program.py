@@ -12,9 +12,11 @@ __all__ = ["RankScaled", "Statement", "LocalTensor", "Program"]
 
 @dataclass(frozen=True)
 class RankScaled:
-    """A constant that depends on the rank: (index of the rank in its tensor-parallel group) * scale."""
+    """A constant that depends on the rank: (index of the rank in its tensor-parallel group) * scale, or
+    with `axis` set, (the rank's coordinate on that mesh axis) * scale."""
 
     scale: int
+    axis: int | None = None
 
 
 @dataclass
@@ -60,6 +62,8 @@ class Program:
     """What every rank of one tensor-parallel group runs (identical but for RankScaled constants)."""
 
     ways: int
+    mesh: tuple[int, ...] = ()
+    """The devices of the group as a mesh (row-major) when some node is split 2-D; () otherwise."""
     tensors: list[LocalTensor] = field(default_factory=list)
     statements: list[Statement] = field(default_factory=list)
     forward_args: list[str] = field(default_factory=list)

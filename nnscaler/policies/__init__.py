@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
-from nnscaler.graph.ops import annotate_node, get_rule, layouts_for
+from nnscaler.graph.ops import annotate_node, get_rule, layouts_for, mesh_layouts_for
 from nnscaler.policies.builtin import pas_autodist, pas_data, pas_dp
 from nnscaler.policies.pipeline import check_end2end_loss, pas_hybrid, pas_pp, validate_pipeline
 from nnscaler.policies.plan import REPLICATE, NodePlan, PipelinePlan, Plan
@@ -64,8 +65,13 @@ def validate_plan(graph: Graph, plan: Plan, cfg: ComputeConfig) -> None:
     unknown = sorted(set(plan.nodes) - names)
     if unknown:
         raise PlanError(f"plan names nodes the graph does not have: {unknown[:5]}")
+    if plan.mesh and (math.prod(plan.mesh) != ways or min(plan.mesh) < 1):
+        raise PlanError(f"plan mesh {plan.mesh} must multiply to the {ways} devices each stage is split over")
     for node in graph.nodes:
         np = plan.node(node.name)
+        if np.mesh_splits:
+            _validate_mesh_split(graph, plan, node, np)
+            continue
         if np.split is None or np.ways == 1:
             continue
         if np.ways != ways:
@@ -85,6 +91,20 @@ def validate_plan(graph: Graph, plan: Plan, cfg: ComputeConfig) -> None:
                 f"plan splits node {node.name} ({node.op}, annotation '{bound}') at {node.source or 'unknown source'} "
                 f"on {np.split!r} {np.ways} ways: {result}"
             )
+
+
+def _validate_mesh_split(graph: Graph, plan: Plan, node, np) -> None:
+    where = f"node {node.name} ({node.op}, {node.source or 'unknown source'})"
+    if not plan.mesh:
+        raise PlanError(f"{where} has mesh_splits but the plan has no mesh: set Plan.mesh, e.g. (2, 2)")
+    bound = annotate_node(node, graph)
+    if bound is None:
+        raise PlanError(f"{where} has no annotation and cannot be split")
+    result = mesh_layouts_for(bound, get_rule(node.op), np.mesh_splits, plan.mesh)
+    if isinstance(result, str):
+        raise PlanError(
+            f"plan splits {where}, annotation '{bound}', as {np.describe()} over mesh {plan.mesh}: {result}"
+        )
 
 
 def make_plan(graph: Graph, policy: str | Policy, cfg: ComputeConfig) -> Plan:

@@ -14,12 +14,30 @@ class NodePlan:
 
     blocks > 1: the identifier is cut into that many equal blocks, each split (fused q/k/v rows).
     note: why this choice was made (e.g. a fallback to replication), for people reading the plan.
+    mesh_splits: a 2-D split over the plan's mesh (`Plan.mesh`): per mesh axis, the identifier split
+      over that axis (None: replicated along it) and its blocks; `split`/`ways` are then unused.
     """
 
     split: str | None = None
     ways: int = 1
     blocks: int = 1
     note: str = ""
+    mesh_splits: tuple[tuple[str | None, int], ...] = ()
+
+    @property
+    def is_split(self) -> bool:
+        """Does any device compute a different part (a 1-D or a 2-D split)?"""
+        if self.mesh_splits:
+            return any(ident is not None for ident, _ in self.mesh_splits)
+        return self.split is not None and self.ways > 1
+
+    def describe(self) -> str:
+        """For reports: 'h/4', 'h/4 x3 blocks', '(b, h)' or 'replicate'."""
+        if self.mesh_splits:
+            return "(" + ", ".join(ident or "R" for ident, _ in self.mesh_splits) + ")"
+        if not self.is_split:
+            return "replicate"
+        return f"{self.split}/{self.ways}" + (f" x{self.blocks} blocks" if self.blocks > 1 else "")
 
 
 REPLICATE = NodePlan()
@@ -74,6 +92,14 @@ class Plan:
     """Module paths whose activations are recomputed in backward instead of kept (checkpointing)."""
     pipeline: PipelinePlan | None = None
     """Pipeline stages and schedule; None: one stage on all plan devices."""
+    mesh: tuple[int, ...] = ()
+    """The stage's devices as a mesh (row-major, e.g. (2, 2)) for nodes with `mesh_splits`; () for
+    plans whose splits are all 1-D (each over all of the stage's devices)."""
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The mesh layouts are laid over: `mesh`, or all of a stage's devices as one axis."""
+        return self.mesh or (self.tp_size,)
 
     @property
     def tp_size(self) -> int:
@@ -90,8 +116,9 @@ class Plan:
             "notes": list(self.notes),
             "recompute": list(self.recompute),
             "pipeline": self.pipeline.to_dict() if self.pipeline else None,
+            **({"mesh": list(self.mesh)} if self.mesh else {}),
             "nodes": {
-                k: {f: v for f, v in asdict(p).items() if v not in ("", None) or f == "split"}
+                k: {f: v for f, v in asdict(p).items() if v not in ("", None, ()) or f == "split"}
                 for k, p in self.nodes.items()
             },
         }
@@ -100,7 +127,10 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
-        nodes = {k: NodePlan(**v) for k, v in data["nodes"].items()}
+        nodes = {}
+        for k, v in data["nodes"].items():
+            mesh_splits = tuple((ident, int(blocks)) for ident, blocks in v.get("mesh_splits", ()))
+            nodes[k] = NodePlan(**{**v, "mesh_splits": mesh_splits})
         return cls(
             data["policy"],
             data["plan_ngpus"],
@@ -108,9 +138,10 @@ class Plan:
             tuple(data.get("notes", ())),
             tuple(data.get("recompute", ())),
             PipelinePlan.from_dict(data["pipeline"]) if data.get("pipeline") else None,
+            tuple(data.get("mesh", ())),
         )
 
     def split_summary(self) -> dict[str, int]:
         """How many nodes are split vs replicated."""
-        split = sum(1 for p in self.nodes.values() if p.split is not None and p.ways > 1)
+        split = sum(1 for p in self.nodes.values() if p.is_split)
         return {"split": split, "replicated": len(self.nodes) - split}

@@ -29,6 +29,7 @@ __all__ = [
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
     "batch_parallel_cross_entropy",
+    "batch_vocab_parallel_cross_entropy",
 ]
 
 Group = dist.ProcessGroup | None
@@ -342,6 +343,33 @@ def vocab_parallel_cross_entropy(
         float(label_smoothing),
     )
     return out.view(lead) if reduction == "none" else out
+
+
+def batch_vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start: int,
+    vocab_group: Group,
+    batch_group: Group,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """Cross-entropy of a 2-D split: the classes (last dim) across `vocab_group`, the batch across
+    `batch_group` (the other mesh axis). A PARTIAL value over `batch_group` (see
+    `batch_parallel_cross_entropy`), the same on every rank of `vocab_group`."""
+    if reduction != "mean":
+        return vocab_parallel_cross_entropy(
+            logits, target, vocab_start, vocab_group, ignore_index, reduction, label_smoothing
+        )
+    total = vocab_parallel_cross_entropy(
+        logits, target, vocab_start, vocab_group, ignore_index, "sum", label_smoothing
+    )
+    with torch.no_grad():
+        count = (target != ignore_index).sum().to(torch.float32)
+        if not _trivial(batch_group):
+            dist.all_reduce(count, group=batch_group)
+    return (total / count).to(total.dtype)
 
 
 def batch_parallel_cross_entropy(

@@ -13,7 +13,21 @@ from nnscaler.graph.ir.graph import (
     map_refs,
     sym_floordiv,
 )
-from nnscaler.graph.ir.layout import Layout, Partial, Replicate, Shard, layout_from_json, layout_to_json
+from nnscaler.graph.ir.layout import (
+    Layout,
+    MeshLayout,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    layout_from_json,
+    layout_to_json,
+    mesh_coords,
+    mesh_layout,
+    placements_of,
+    split_factors,
+    storage_shard,
+)
 from nnscaler.graph.ir.mode import ModeValue
 from nnscaler.graph.ir.serialize import decode_const, encode_const, graph_from_json, graph_to_json
 from nnscaler.graph.ir.subgraph import Piece, cut_graph
@@ -44,6 +58,13 @@ __all__ = [
     "Partial",
     "Replicate",
     "Shard",
+    "MeshLayout",
+    "Placement",
+    "mesh_coords",
+    "mesh_layout",
+    "placements_of",
+    "split_factors",
+    "storage_shard",
     "layout_to_json",
     "layout_from_json",
 ]

@@ -21,7 +21,14 @@ from nnscaler.graph.ops.annotation import AnnotationError, DimAnno, OpAnno, Tens
 from nnscaler.graph.ops.bind import BoundAnno, bind_annotation
 from nnscaler.graph.ops.custom import op_module, register_op
 from nnscaler.graph.ops.registry import OpCall, OpRule, Special, all_rules, get_rule, op_call, register_rule
-from nnscaler.graph.ops.split import SplitLayouts, is_bias_split, layouts_for, split_candidates, split_layouts
+from nnscaler.graph.ops.split import (
+    SplitLayouts,
+    is_bias_split,
+    layouts_for,
+    mesh_layouts_for,
+    split_candidates,
+    split_layouts,
+)
 
 __all__ = [
     "register_op",
@@ -45,6 +52,7 @@ __all__ = [
     "split_layouts",
     "annotate_node",
     "layouts_for",
+    "mesh_layouts_for",
     "is_bias_split",
 ]
 

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nnscaler.graph.ir import Layout, Partial, Replicate, Shard
+from nnscaler.graph.ir import Layout, Partial, Replicate, Shard, mesh_layout
 from nnscaler.graph.ops.bind import BoundAnno
 
-__all__ = ["SplitLayouts", "split_layouts", "split_candidates", "layouts_for", "is_bias_split"]
+__all__ = [
+    "SplitLayouts",
+    "split_layouts",
+    "split_candidates",
+    "layouts_for",
+    "mesh_layouts_for",
+    "is_bias_split",
+]
 
 
 @dataclass(frozen=True)
@@ -114,3 +121,43 @@ def is_bias_split(bound: BoundAnno, rule, ident: str | None, ways: int) -> bool:
         and rule.bias_input < len(bound.anno.inputs)
         and bound.anno.flag_of(ident) == "+"
     )
+
+
+def mesh_layouts_for(
+    bound: BoundAnno, rule, axes: tuple[tuple[str | None, int], ...], mesh: tuple[int, ...]
+) -> SplitLayouts | str:
+    """Layouts of a node split on one identifier per mesh axis (`axes`: (identifier or None, blocks)),
+    or why it cannot be: each axis as `layouts_for` over that axis's devices, then put together."""
+    if len(axes) != len(mesh):
+        return f"{len(axes)} mesh splits for a mesh of {len(mesh)} axes {tuple(mesh)}"
+    idents = [ident for ident, _ in axes if ident is not None]
+    if len(set(idents)) != len(idents):
+        return "one identifier split over two mesh axes is a 1-D split over their devices: use split/ways"
+    per_axis = []
+    for k, ((ident, blocks), size) in enumerate(zip(axes, mesh)):
+        lay = layouts_for(bound, rule, ident, size, blocks)
+        if isinstance(lay, str):
+            return f"mesh axis {k} ({size} devices): {lay}"
+        per_axis.append(lay)
+
+    def combine(parts: list[Layout | None], what: str) -> Layout | None | str:
+        if all(p is None for p in parts):
+            return None
+        placements = tuple(p if p is not None else Replicate() for p in parts)
+        shards = [p for p in placements if isinstance(p, Shard)]
+        if len({p.dim for p in shards}) < len(shards):
+            return f"two mesh axes split the same dim of {what}"
+        return mesh_layout(placements)
+
+    ins, outs = [], []
+    for i in range(len(per_axis[0].inputs)):
+        lay = combine([la.inputs[i] for la in per_axis], f"input {i}")
+        if isinstance(lay, str):
+            return lay
+        ins.append(lay)
+    for i in range(len(per_axis[0].outputs)):
+        lay = combine([la.outputs[i] for la in per_axis], f"output {i}")
+        if isinstance(lay, str):
+            return lay
+        outs.append(lay)
+    return SplitLayouts(ins, outs)
