@@ -5,6 +5,10 @@ not just the ones a search happens to pick."""
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
 from nnscaler import ComputeConfig
 from nnscaler.graph.ir import Graph
 from nnscaler.graph.ops import annotate_node, get_rule, mesh_layouts_for
@@ -38,3 +42,44 @@ def data_x_tp(graph: Graph, cfg: ComputeConfig) -> Plan:
         else:
             nodes[node.name] = NodePlan()
     return Plan("data_x_tp", cfg.plan_ngpus, nodes, mesh=mesh)
+
+
+class TokenFFN(nn.Module):
+    """Two pre-norm feed-forward blocks over (batch, tokens, width): weights and activations of about the
+    same size, where a 2-D split (batch x hidden) halves both collectives of 1-D data or tensor parallelism."""
+
+    def __init__(self, width: int = 256, hidden: int = 1024, blocks: int = 2):
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(blocks))
+        self.ups = nn.ModuleList(nn.Linear(width, hidden) for _ in range(blocks))
+        self.downs = nn.ModuleList(nn.Linear(hidden, width) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for norm, up, down in zip(self.norms, self.ups, self.downs):
+            x = x + down(F.gelu(up(norm(x))))
+        return F.mse_loss(x, y)
+
+
+def build_token_ffn(seed: int = 0):
+    torch.manual_seed(seed)
+    model = TokenFFN()
+
+    def make_batch(seed: int, batch_size: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return {
+            "x": torch.randn(batch_size, 256, 256, generator=g),
+            "y": torch.randn(batch_size, 256, 256, generator=g),
+        }
+
+    return model.train(), make_batch
+
+
+SLOW_LINK_CLUSTER = {
+    "name": "fast devices on a slow link (bandwidth-bound collectives)",
+    "device": "cpu",
+    "nodes": 1,
+    "devices_per_node": 8,
+    "intra_node": {"bandwidth_gbs": 1.0, "latency_us": 1},
+    "inter_node": {"bandwidth_gbs": 0.5, "latency_us": 2},
+}
+"""A cluster where the cost of a collective is its bytes: 2-D splits pay off on TokenFFN."""

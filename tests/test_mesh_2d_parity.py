@@ -122,3 +122,23 @@ def test_2d_collectives_issue_in_one_order(tmp_path):
     bad[0][i], bad[0][i + 1] = bad[0][i + 1], bad[0][i]
     with pytest.raises(AssertionError, match="deadlock"):
         _simulate_blocking(bad)
+
+
+def test_autodist_2d_plan_parity(tmp_path):
+    """autodist's own 2-D choice (TokenFFN on a bandwidth-bound cluster) trains like one device."""
+    from tests.mesh2d_policy import SLOW_LINK_CLUSTER
+
+    run_parity(
+        "tests.mesh2d_policy:build_token_ffn",
+        "autodist",
+        4,
+        4,
+        steps=2,
+        tmp_path=tmp_path,
+        optimizer="sgd",
+        config_kwargs={"pas_config": {"cluster": SLOW_LINK_CLUSTER}},
+        shapes=[(4, None), (8, 128)],  # another batch and sequence length than traced
+    )
+    plan = _plan_of(tmp_path)
+    assert plan["mesh"] == [2, 2]
+    assert sum(1 for p in plan["nodes"].values() if p.get("mesh_splits")) >= 4

@@ -14,6 +14,7 @@ from nnscaler.graph.ir import (
     Shard,
     mesh_layout,
     placements_of,
+    redistribute_moves,
 )
 
 __all__ = ["GROUP", "AxisGroup", "CommStep", "conversion_steps"]
@@ -63,7 +64,7 @@ def conversion_steps(src: Layout, dst: Layout, naxes: int = 1) -> list[CommStep]
     if src == dst:
         return []
     if isinstance(src, MeshLayout) or isinstance(dst, MeshLayout):
-        return _mesh_steps(placements_of(src, naxes), placements_of(dst, naxes))
+        return _mesh_steps(src, dst, naxes)
     return _placement_steps(src, dst)
 
 
@@ -85,52 +86,16 @@ def _placement_steps(src: Placement, dst: Placement) -> list[CommStep]:
     raise PartitionError(f"no communication turns layout {src} into {dst}")
 
 
-def _inner_blockers(cur: list[Placement], k: int, target: Placement) -> list[int]:
-    """Inner axes whose shards stop axis k going from cur[k] to target now.
-
-    Shards of one dim over several axes are nested, axis 0 outermost: a shard on axis k may be undone,
-    or made, only while no inner axis shards that dim."""
-    dims = {p.dim for p in (cur[k], target) if isinstance(p, Shard)}
-    return [j for j in range(k + 1, len(cur)) if isinstance(cur[j], Shard) and cur[j].dim in dims]
-
-
-def _outer_pending(cur: list[Placement], want: tuple[Placement, ...], k: int, target: Placement) -> bool:
-    """Must an outer axis still shard target's dim before axis k may (the outer one is outermost)?"""
-    if not isinstance(target, Shard):
-        return False
-    return any(
-        isinstance(want[i], Shard) and want[i].dim == target.dim and cur[i] != want[i] for i in range(k)
-    )
-
-
-def _mesh_steps(src: tuple[Placement, ...], want: tuple[Placement, ...]) -> list[CommStep]:
-    """Per-axis conversions in two passes (DTensor's redistribute order): innermost axis first, undo
-    what must change (gathers, reductions, all-to-alls); then outermost first, make the new shards
-    (local splits). An inner shard that blocks a change is gathered first and remade in pass two."""
-    cur, steps = list(src), []
-
-    def convert_axis(k: int, target: Placement) -> None:
-        for blocker in reversed(_inner_blockers(cur, k, target)):
-            convert_axis(blocker, Replicate())
-        for step in _placement_steps(cur[k], target):
-            cur[k] = step.result
-            args = tuple(AxisGroup(k) if a is GROUP else a for a in step.args)
+def _mesh_steps(src: Layout, dst: Layout, naxes: int) -> list[CommStep]:
+    """The 1-D conversion of each per-axis move (see redistribute_moves) over that axis's devices."""
+    try:
+        moves = redistribute_moves(src, dst, naxes)
+    except ValueError as exc:
+        raise PartitionError(str(exc)) from None
+    cur, steps = list(placements_of(src, naxes)), []
+    for m in moves:
+        for step in _placement_steps(m.src, m.dst):
+            cur[m.axis] = step.result
+            args = tuple(AxisGroup(m.axis) if a is GROUP else a for a in step.args)
             steps.append(replace(step, args=args, result=mesh_layout(cur)))
-
-    for k in reversed(range(len(cur))):
-        if cur[k] == want[k]:
-            continue
-        target = want[k]
-        if isinstance(target, Shard) and (
-            isinstance(cur[k], Replicate) or _outer_pending(cur, want, k, target)
-        ):
-            if isinstance(cur[k], Replicate):
-                continue  # a local split: pass two
-            target = Replicate()
-        convert_axis(k, target)
-    for k in range(len(cur)):
-        if cur[k] != want[k]:
-            convert_axis(k, want[k])
-    if tuple(cur) != tuple(want):
-        raise PartitionError(f"no communication turns layout {mesh_layout(src)} into {mesh_layout(want)}")
     return steps

@@ -204,6 +204,14 @@ class AutodistOptions(PipelineOptions):
             "Integer-program solver ('auto': CBC, measured the faster here; 'highs' needs highspy)."
         ),
     )
+    tp_mesh: str | list[int] = field(
+        default="auto",
+        metadata=_doc(
+            "2-D splits: a stage's tensor-parallel devices as a mesh [a, b] (a x b = the degree; axis 0 takes "
+            "a batch-like dim, axis 1 any other), 'auto' ([2, degree / 2] for an even degree of 4 or more) or "
+            "'off' (1-D splits only)."
+        ),
+    )
 
 
 POLICY_OPTIONS: dict[str, type[PolicyOptions]] = {

@@ -29,6 +29,7 @@ from nnscaler.graph.ir.layout import (
     storage_shard,
 )
 from nnscaler.graph.ir.mode import ModeValue
+from nnscaler.graph.ir.redistribute import AxisMove, redistribute_moves
 from nnscaler.graph.ir.serialize import decode_const, encode_const, graph_from_json, graph_to_json
 from nnscaler.graph.ir.subgraph import Piece, cut_graph
 from nnscaler.graph.ir.verify import verify
@@ -59,6 +60,8 @@ __all__ = [
     "Replicate",
     "Shard",
     "MeshLayout",
+    "AxisMove",
+    "redistribute_moves",
     "Placement",
     "mesh_coords",
     "mesh_layout",

@@ -3,10 +3,18 @@ communication, and the cost and memory of the parameters it reads."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from nnscaler.graph.ir import Graph, Layout, Node, Replicate, Shard, iter_refs
-from nnscaler.graph.ops import annotate_node, get_rule, is_bias_split, layouts_for, split_candidates
+from nnscaler.graph.ir import Graph, Layout, Node, Replicate, Shard, iter_refs, placements_of, split_factors
+from nnscaler.graph.ops import (
+    annotate_node,
+    get_rule,
+    is_bias_split,
+    layouts_for,
+    mesh_layouts_for,
+    split_candidates,
+)
 from nnscaler.policies.autodist.comm import all_reduce
 from nnscaler.policies.autodist.constraints import PartitionConstraints
 from nnscaler.policies.autodist.cost import CostContext, compute_time, is_free_op, local_bytes, node_flops
@@ -60,19 +68,54 @@ def tensor_refs(graph: Graph, node: Node) -> list[str]:
     return [r.name for r in iter_refs((node.args, node.kwargs)) if graph.values[r.name].meta]
 
 
-def _plans(graph: Graph, node: Node, bound, ways: int) -> list[NodePlan]:
+def _plans(graph: Graph, node: Node, bound, ways: int, mesh: tuple[int, ...] = ()) -> list[NodePlan]:
     plans = [REPLICATE]
     if ways <= 1 or bound is None:
         return plans
     hint = blocks_hint(graph, node.outputs[0]) if node.outputs else 1
     for ident in split_candidates(bound, ways):
         plans.append(NodePlan(ident, ways))
-        if hint > 1:
-            cand = NodePlan(ident, ways, hint)
-            lay = layouts_for(bound, get_rule(node.op), ident, ways, hint)
-            outs = [] if isinstance(lay, str) else lay.outputs
-            if any(isinstance(o, Shard) and o.blocks == hint for o in outs):
-                plans.append(cand)
+        if hint > 1 and _keeps_blocks(bound, node, ident, ways, hint):
+            plans.append(NodePlan(ident, ways, hint))
+    if len(mesh) == 2 and min(mesh) > 1:
+        plans += _mesh_plans(node, bound, mesh, hint)
+    return plans
+
+
+def _keeps_blocks(bound, node: Node, ident: str, ways: int, hint: int) -> bool:
+    lay = layouts_for(bound, get_rule(node.op), ident, ways, hint)
+    outs = [] if isinstance(lay, str) else lay.outputs
+    return any(isinstance(o, Shard) and o.blocks == hint for o in outs)
+
+
+def _mesh_plans(node: Node, bound, mesh: tuple[int, ...], hint: int) -> list[NodePlan]:
+    """2-D splits: a batch-like identifier (dim 0 or 1 of the first tensor input, carried to the output,
+    not reduced, not in a weight) over axis 0 and any other splittable identifier over axis 1."""
+    first = next((t for t in bound.anno.inputs if t.dims), None)
+    if first is None or not bound.anno.outputs or not any(t.dims for t in bound.anno.outputs):
+        return []
+    out_ids = {i for t in bound.anno.outputs if t.dims for d in t.dims for i in d.ids}
+    outer = []
+    for d in first.dims[:2]:
+        ident = d.ids[0]
+        if (
+            ident in out_ids
+            and bound.anno.flag_of(ident) != "+"
+            and ident in split_candidates(bound, mesh[0])
+        ):
+            outer.append(ident)
+    rule = get_rule(node.op)
+    plans = []
+    for a in outer:
+        for b in split_candidates(bound, mesh[1]):
+            if b == a:
+                continue
+            for blocks in (1, hint) if hint > 1 else (1,):
+                cand = NodePlan(mesh_splits=((a, 1), (b, blocks)))
+                if blocks > 1 and not _keeps_blocks(bound, node, b, mesh[1], blocks):
+                    continue
+                if not isinstance(mesh_layouts_for(bound, rule, cand.mesh_splits, mesh), str):
+                    plans.append(cand)
     return plans
 
 
@@ -85,23 +128,28 @@ def _structure(graph: Graph, node: Node):
     return memo[key]
 
 
-def _with_layouts(node: Node, refs, bound, rule, plan: NodePlan):
+def _with_layouts(node: Node, refs, bound, rule, plan: NodePlan, mesh: tuple[int, ...] = ()):
     """(plan, input layouts, output layouts); layouts None where the split is not valid here."""
     if bound is None:
         return plan, tuple(Replicate() for _ in refs), tuple(Replicate() for _ in node.outputs)
-    ways = plan.ways if plan.split else 1
-    lay = layouts_for(bound, rule, plan.split, ways, plan.blocks)
+    if plan.mesh_splits:
+        lay = mesh_layouts_for(bound, rule, plan.mesh_splits, mesh) if mesh else "no mesh"
+    else:
+        lay = layouts_for(bound, rule, plan.split, plan.ways if plan.split else 1, plan.blocks)
     if isinstance(lay, str):
         return plan, None, None
     return plan, tuple(lay.inputs), tuple(lay.outputs)
 
 
-def _options(graph: Graph, node: Node, refs, bound, rule, ways: int):
-    """Every plan of `node` over `ways` devices with its layouts (see _with_layouts); once per graph."""
+def _options(graph: Graph, node: Node, refs, bound, rule, ways: int, mesh: tuple[int, ...] = ()):
+    """Every plan of `node` over `ways` devices (and 2-D over `mesh`) with its layouts (see
+    _with_layouts); once per graph."""
     memo = graph_memo(graph)
-    key = ("plans", node.name, ways)
+    key = ("plans", node.name, ways, mesh)
     if key not in memo:
-        memo[key] = [_with_layouts(node, refs, bound, rule, p) for p in _plans(graph, node, bound, ways)]
+        memo[key] = [
+            _with_layouts(node, refs, bound, rule, p, mesh) for p in _plans(graph, node, bound, ways, mesh)
+        ]
     return memo[key]
 
 
@@ -138,44 +186,39 @@ def node_choices(
     dtype = next((m.dtype for m in metas_out if m is not None), "float32")
     free = is_free_op(node, graph)
     matmul = node.op.startswith(_MATMUL_PREFIX) or "attention" in node.op or "conv" in node.op
-    options = [_with_layouts(node, refs, bound, rule, only)] if only is not None else None
-    for plan, ins, outs in options or _options(graph, node, refs, bound, rule, ctx.ways):
+    options = [_with_layouts(node, refs, bound, rule, only, ctx.mesh)] if only is not None else None
+    mesh = ctx.mesh
+    for plan, ins, outs in options or _options(graph, node, refs, bound, rule, ctx.ways, mesh):
         if ins is None or (constraints is not None and not constraints.allows(graph, node, bound, plan)):
             continue
-        ways = plan.ways if plan.split else 1
-        moved = sum(local_bytes(b, lay_, ways) for b, lay_ in zip(in_bytes, ins)) + sum(
-            local_bytes(b, lay_, ways) for b, lay_ in zip(out_bytes, outs)
+        ways = ctx.plan_ways(plan)
+        moved = sum(local_bytes(b, lay_, ways, mesh) for b, lay_ in zip(in_bytes, ins)) + sum(
+            local_bytes(b, lay_, ways, mesh) for b, lay_ in zip(out_bytes, outs)
         )
         compute = 0.0 if free else compute_time(flops / ways, moved, ctx, dtype, matmul)
         if ctx.measured and not free and ctx.training and scale == 1.0:
-            key = op_key(node.op, _local_shapes(graph, refs, ins, ways), dtype)
+            key = op_key(node.op, _local_shapes(graph, refs, ins, ways, mesh), dtype)
             compute = ctx.measured.get(key, compute)
         comm = _internal_comm(bound, rule, plan, in_bytes, out_bytes, ctx)
         param_local = 0.0
         sync = 0.0
-        bias_split = bound is not None and is_bias_split(bound, rule, plan.split, ways)
+        bias_axes = _bias_axes(bound, rule, plan, ctx)
         for slot, (ref, b, lay_) in enumerate(zip(refs, in_bytes, ins)):
             value = graph.values[ref]
             if value.kind not in ("param", "buffer"):
                 continue
-            after_reduce = bias_split and slot == rule.bias_input  # added once, after the all-reduce
-            if (
-                value.kind == "param"
-                and plan.split
-                and isinstance(lay_, Replicate)
-                and ctx.training
-                and not after_reduce
-            ):
-                comm += all_reduce(b, ctx.ways, ctx.tp_link)  # each device holds a partial gradient
+            after_reduce = bias_axes and slot == rule.bias_input  # added once, after the all-reduce
+            if value.kind == "param" and plan.is_split and ctx.training and not after_reduce:
+                comm += _partial_grad_time(b, lay_, plan, ctx)  # each device holds a partial gradient
             if ref in owned_params:
-                local = local_bytes(b, lay_, ways)
+                local = local_bytes(b, lay_, ways, mesh)
                 param_local += local
                 if value.kind == "param":
                     sync += memory.grad_sync_time(local, ctx)
         # a view (or a cast to the dtype it has) shares its input's storage, already counted where it
         # was made: counted again, views made Llama-3-8B's predicted activations 1.3x what they are
         keeps = saved and ctx.training and not free
-        act = sum(local_bytes(b, o, ways) for b, o in zip(out_bytes, outs)) if keeps else 0.0
+        act = sum(local_bytes(b, o, ways, mesh) for b, o in zip(out_bytes, outs)) if keeps else 0.0
         mem = memory.param_state_bytes(param_local, ctx) + act * memory.activation_factor
         out.choices.append(Choice(plan, ins, outs, compute, comm, mem, sync, param_local, act))
     if not out.choices:  # constraints forbade everything the shapes allow: replicate
@@ -194,14 +237,47 @@ def node_choices(
     return out
 
 
-def _local_shapes(graph: Graph, refs: list[str], layouts, ways: int) -> list[tuple[int, ...]]:
+def _local_shapes(
+    graph: Graph, refs: list[str], layouts, ways: int, mesh: tuple[int, ...] = ()
+) -> list[tuple[int, ...]]:
     out = []
     for ref, lay in zip(refs, layouts):
         shape = list(graph.values[ref].meta.shape)
-        if isinstance(lay, Shard) and ways > 1:
-            shape[lay.dim] //= ways
+        if lay is not None and ways > 1:
+            for dim, parts in split_factors(lay, mesh or (ways,)).items():
+                shape[dim] //= parts
         out.append(tuple(shape))
     return out
+
+
+def _bias_axes(bound, rule, plan: NodePlan, ctx: CostContext) -> list[int]:
+    """Mesh axes (-1: all devices, a 1-D split) over which the op reduces before adding its bias."""
+    if bound is None:
+        return []
+    if plan.mesh_splits:
+        return [
+            k
+            for k, ((ident, _), size) in enumerate(zip(plan.mesh_splits, ctx.mesh))
+            if ident is not None and is_bias_split(bound, rule, ident, size)
+        ]
+    return [-1] if is_bias_split(bound, rule, plan.split, ctx.plan_ways(plan)) else []
+
+
+def _partial_grad_time(nbytes: float, layout, plan: NodePlan, ctx: CostContext) -> float:
+    """All-reduce of a replicated parameter's partial gradients over the axes the op splits while
+    holding the parameter whole along them (the whole group for a 1-D split)."""
+    if not plan.mesh_splits:
+        return all_reduce(nbytes, ctx.ways, ctx.tp_link) if isinstance(layout, Replicate) else 0.0
+    placements = placements_of(layout, len(ctx.mesh))
+    axes = [
+        k
+        for k, (ident, _) in enumerate(plan.mesh_splits)
+        if ident is not None and isinstance(placements[k], Replicate)
+    ]
+    held = local_bytes(nbytes, layout, ctx.ways, ctx.mesh)
+    if len(axes) == len(ctx.mesh):
+        return all_reduce(held, ctx.ways, ctx.tp_link)
+    return sum(all_reduce(held, ctx.mesh[k], ctx.axis_link(k)) for k in axes)
 
 
 def op_key(op: str, shapes: list[tuple[int, ...]], dtype: str) -> str:
@@ -212,8 +288,10 @@ def op_key(op: str, shapes: list[tuple[int, ...]], dtype: str) -> str:
 def _internal_comm(bound, rule, plan: NodePlan, in_bytes, out_bytes, ctx: CostContext) -> float:
     """Communication a split does inside the op: the all-reduce after a reduction with a bias, and the
     collectives of special local code (vocab-parallel embedding and cross entropy)."""
-    if plan.split is None or bound is None or ctx.ways <= 1:
+    if not plan.is_split or bound is None or ctx.ways <= 1:
         return 0.0
+    if plan.mesh_splits:
+        return _mesh_internal_comm(bound, rule, plan, in_bytes, out_bytes, ctx)
     special = rule.specials.get(plan.split) if rule is not None else None
     if special is not None and special.output == "replicate":
         size = bound.sizes.get(plan.split, 1) or 1
@@ -223,3 +301,27 @@ def _internal_comm(bound, rule, plan: NodePlan, in_bytes, out_bytes, ctx: CostCo
         if rule.bias_input < len(bound.anno.inputs):
             return all_reduce(sum(out_bytes), ctx.ways, ctx.tp_link)
     return 0.0
+
+
+def _mesh_internal_comm(bound, rule, plan: NodePlan, in_bytes, out_bytes, ctx: CostContext) -> float:
+    """_internal_comm of a 2-D split: each axis's collective over that axis's devices, on the bytes
+    the other axis leaves each of them."""
+    total = 0.0
+    for k, ((ident, _), size) in enumerate(zip(plan.mesh_splits, ctx.mesh)):
+        if ident is None:
+            continue
+        others = math.prod(s for j, s in enumerate(ctx.mesh) if j != k and plan.mesh_splits[j][0] is not None)
+        one_axis = NodePlan(ident, size)
+        sub = CostContext(ctx.cluster, ways=size, training=ctx.training)
+        link_ctx = _AxisLinkContext(sub, ctx.axis_link(k))
+        total += _internal_comm(
+            bound, rule, one_axis, [b / others for b in in_bytes], [b / others for b in out_bytes], link_ctx
+        )
+    return total
+
+
+class _AxisLinkContext:
+    """A CostContext over one mesh axis: its size and its link (what _internal_comm reads)."""
+
+    def __init__(self, ctx: CostContext, link) -> None:
+        self.ways, self.training, self.tp_link = ctx.ways, ctx.training, link

@@ -64,6 +64,10 @@ class PartitionConstraints:
     rules: tuple[PartitionConstraint, ...] = field(default_factory=tuple)
 
     def allows(self, graph: Graph, node: Node, bound, plan: NodePlan) -> bool:
+        """Every identifier the plan splits (both of a 2-D split) must be allowed by every matching rule."""
+        if plan.mesh_splits:
+            splits = [ident for ident, _ in plan.mesh_splits if ident is not None]
+            return all(self.allows(graph, node, bound, NodePlan(ident, 2)) for ident in splits)
         for rule in self.rules:
             if not rule.matches(graph, node):
                 continue

@@ -7,9 +7,22 @@ Times are seconds for one training step of one micro-batch (forward + backward) 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from nnscaler.graph.ir import Graph, Layout, Node, Partial, Replicate, Shard
+from nnscaler.graph.ir import (
+    Graph,
+    Layout,
+    MeshLayout,
+    Node,
+    Partial,
+    Replicate,
+    Shard,
+    mesh_layout,
+    placements_of,
+    redistribute_moves,
+    split_factors,
+)
 from nnscaler.policies.autodist.cluster import ClusterSpec
 from nnscaler.policies.autodist.comm import all_gather, all_reduce, all_to_all, reduce_scatter
 
@@ -109,6 +122,20 @@ class CostContext:
     """Measured forward + backward seconds by op key (profiler.ProfileDB.entries); used where present."""
     traced_batch: int = 0
     """Batch size of the trace: an activation whose dim 0 is a multiple of it carries the batch (0: all do)."""
+    mesh: tuple[int, ...] = ()
+    """The stage's devices as a 2-D mesh (row-major) when 2-D splits are offered; () for 1-D only."""
+
+    def axis_link(self, axis: int):
+        """The link of one mesh axis's group (axis 0's members are the inner axes' size apart)."""
+        return self.cluster.link(self.mesh[axis], math.prod(self.mesh[axis + 1 :]))
+
+    def plan_ways(self, plan) -> int:
+        """Devices a NodePlan divides the work over (1 when replicated)."""
+        if plan.mesh_splits:
+            return math.prod(
+                size for (ident, _), size in zip(plan.mesh_splits, self.mesh) if ident is not None
+            )
+        return plan.ways if plan.split else 1
 
     def value_scale(self, graph: Graph, name: str) -> float:
         """batch_scale for an activation that carries the batch, else 1 (parameters, positions, masks)."""
@@ -173,8 +200,10 @@ def compute_time(flops: float, nbytes: float, ctx: CostContext, dtype: str, matm
     return fwd * (3.0 if ctx.training else 1.0)
 
 
-def local_bytes(nbytes: float, layout: Layout | None, ways: int) -> float:
-    """Bytes one device holds of a tensor of `nbytes` in `layout`."""
+def local_bytes(nbytes: float, layout: Layout | None, ways: int, mesh: tuple[int, ...] = ()) -> float:
+    """Bytes one device holds of a tensor of `nbytes` in `layout` (a MeshLayout: over `mesh`)."""
+    if isinstance(layout, MeshLayout):
+        return nbytes / math.prod(split_factors(layout, mesh).values())
     return nbytes / ways if isinstance(layout, Shard) else nbytes
 
 
@@ -197,8 +226,55 @@ def reshard_time(
     """
     if src is None or dst is None or ctx.ways <= 1:
         return 0.0
-    p, link = ctx.ways, ctx.tp_link
     bwd = ctx.training and needs_grad
+    if isinstance(src, MeshLayout) or isinstance(dst, MeshLayout):
+        return _mesh_reshard_time(
+            src, dst, nbytes, ctx, consumer_split and bwd and not shared_grad_reduce, bwd
+        )
+    return _placement_time(src, dst, nbytes, ctx.ways, ctx.tp_link, bwd, consumer_split, shared_grad_reduce)
+
+
+def _mesh_reshard_time(
+    src: Layout, dst: Layout, nbytes: float, ctx: CostContext, f_grad: bool, bwd: bool
+) -> float:
+    """reshard_time on a 2-D mesh: each per-axis move (redistribute_moves) as a 1-D conversion over that
+    axis's devices, on the bytes one such group holds; a split consumer's partial gradients of an input it
+    holds whole along an axis are all-reduced over that axis (Megatron's f per axis)."""
+    naxes = len(ctx.mesh)
+    try:
+        moves = redistribute_moves(src, dst, naxes)
+    except ValueError:
+        return float("inf")
+    total, cur = 0.0, src
+    for m in moves:
+        placements = list(placements_of(cur, naxes))
+        placements[m.axis] = Replicate()
+        group_bytes = local_bytes(nbytes, mesh_layout(placements), ctx.ways, ctx.mesh)
+        total += _placement_time(
+            m.src, m.dst, group_bytes, ctx.mesh[m.axis], ctx.axis_link(m.axis), bwd, False, True
+        )
+        cur = m.after
+    if f_grad:
+        held = local_bytes(nbytes, dst, ctx.ways, ctx.mesh)
+        whole = [k for k, p in enumerate(placements_of(dst, naxes)) if isinstance(p, Replicate)]
+        if len(whole) == naxes:
+            total += all_reduce(held, ctx.ways, ctx.tp_link)
+        else:
+            total += sum(all_reduce(held, ctx.mesh[k], ctx.axis_link(k)) for k in whole)
+    return total
+
+
+def _placement_time(
+    src: Layout,
+    dst: Layout,
+    nbytes: float,
+    p: int,
+    link,
+    bwd: bool,
+    consumer_split: bool,
+    shared_grad_reduce: bool,
+) -> float:
+    """reshard_time between 1-D placements over a group of p devices joined by `link`."""
     if isinstance(dst, Partial):
         return 0.0 if isinstance(src, Partial) else float("inf")
     if isinstance(src, Replicate):

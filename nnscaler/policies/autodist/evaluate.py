@@ -28,8 +28,11 @@ def evaluate_nodes(
     tp = setup.plan_ngpus // pp
     ctx = _ctx(setup, tp)
     fixed = {n.name: nodes.get(n.name, REPLICATE) for n in graph.nodes}
-    fixed = {k: (v if v.split is not None and v.ways > 1 else REPLICATE) for k, v in fixed.items()}
-    fixed = {k: NodePlan(v.split, v.ways, v.blocks) for k, v in fixed.items()}  # notes do not matter
+    fixed = {k: (v if v.is_split else REPLICATE) for k, v in fixed.items()}
+    fixed = {  # notes do not matter
+        k: NodePlan(mesh_splits=v.mesh_splits) if v.mesh_splits else NodePlan(v.split, v.ways, v.blocks)
+        for k, v in fixed.items()
+    }
     folded = fold_layers(graph, setup.pivots)
     uniform = all(fixed[n] == fixed[r] for n, r in folded.rep.items())  # every layer split alike
     res = solve_spmd(

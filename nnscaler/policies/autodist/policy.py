@@ -13,7 +13,7 @@ from nnscaler.policies.autodist.constraints import PartitionConstraints, load_co
 from nnscaler.policies.autodist.cost import traced_batch_size
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.autodist.planio import load_plan, save_plan
-from nnscaler.policies.autodist.search import Candidate, PlannerSetup, search
+from nnscaler.policies.autodist.search import Candidate, PlannerSetup, mesh_for, search
 from nnscaler.policies.options import AutodistOptions
 from nnscaler.policies.plan import NodePlan, PipelinePlan, Plan
 from nnscaler.policies.recompute import recompute_paths
@@ -83,7 +83,20 @@ def planner_setup(
         measured=db.entries if db is not None else None,
         step_overhead=db.step_overhead_s if db is not None else 0.0,
         bucket_bytes=(cfg.reducer_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) * 2**20,
+        tp_mesh=_tp_mesh(opts.tp_mesh),
     )
+
+
+def _tp_mesh(value) -> str | tuple[int, ...]:
+    if value in ("auto", "off"):
+        return value
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, int) and v > 1 for v in value)
+    ):
+        return tuple(value)
+    raise PlanError(f"pas_config['tp_mesh'] must be 'auto', 'off' or [a, b] with a, b > 1, got {value!r}")
 
 
 def _profile_db(path: str | None):
@@ -109,10 +122,8 @@ def _profile_db(path: str | None):
 
 
 def plan_from_candidate(graph: Graph, cand: Candidate, setup: PlannerSetup, scheduler: str = "1f1b") -> Plan:
-    nodes = {
-        name: (NodePlan(p.split, p.ways, p.blocks) if p.split is not None and p.ways > 1 else NodePlan())
-        for name, p in cand.spmd.plans.items()
-    }
+    nodes = {name: _bare(p) for name, p in cand.spmd.plans.items()}
+    mesh = mesh_for(setup, setup.plan_ngpus // cand.pp) if any(p.mesh_splits for p in nodes.values()) else ()
     pipeline = None
     if cand.pp > 1:
         pipeline = PipelinePlan(
@@ -126,7 +137,14 @@ def plan_from_candidate(graph: Graph, cand: Candidate, setup: PlannerSetup, sche
         f"autodist: {cand.label()} on {setup.cluster.name or setup.cluster.device.name}; predicted "
         f"{cand.step_time * 1e3:.3f} ms per step, {cand.memory / 1e9:.3f} GB on the fullest device"
     )
-    return Plan("autodist", setup.plan_ngpus, nodes, (note,), tuple(cand.recompute_paths), pipeline)
+    return Plan("autodist", setup.plan_ngpus, nodes, (note,), tuple(cand.recompute_paths), pipeline, mesh)
+
+
+def _bare(p: NodePlan) -> NodePlan:
+    """The plan's split without the search's notes (replicate where nothing is split)."""
+    if p.mesh_splits:
+        return NodePlan(mesh_splits=p.mesh_splits)
+    return NodePlan(p.split, p.ways, p.blocks) if p.is_split else NodePlan()
 
 
 def pas_autodist(graph: Graph, cfg: ComputeConfig) -> Plan:

@@ -133,7 +133,9 @@ def _modules(graph: Graph, plan: Plan, setup: PlannerSetup, res) -> list[str]:
             order.append(g)
             stage_of[g] = max(stage, 0)
         p = plan.node(n.name)
-        if p.split is not None and p.ways > 1:
+        if p.mesh_splits:
+            splits[g][f"{_short(n.op)}:{p.describe()}"] += 1
+        elif p.is_split:
             splits[g][f"{_short(n.op)}:{p.split}" + (f"/{p.blocks}" if p.blocks > 1 else "")] += 1
         time[g] += res.node_time[n.name]
         comm[g] += res.node_comm[n.name]
@@ -153,7 +155,7 @@ def _modules(graph: Graph, plan: Plan, setup: PlannerSetup, res) -> list[str]:
         devs = (f"stage {stage_of[g]}: " if plan.pipeline else "") + devs
         lines.append(f"| {g} | {part} | {devs} | {_ms(time[g])} | {_ms(comm[g])} | {mem[g] / 1e6:.2f} |")
     lines.append(
-        f"| **total** | {sum(1 for p in plan.nodes.values() if p.split and p.ways > 1)} split / {len(graph.nodes)} ops | "
+        f"| **total** | {sum(1 for p in plan.nodes.values() if p.is_split)} split / {len(graph.nodes)} ops | "
         f"{setup.plan_ngpus} | {_ms(sum(time.values()))} | {_ms(sum(comm.values()))} | {sum(mem.values()) / 1e6:.2f} |"
     )
     lines += [

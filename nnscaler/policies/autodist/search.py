@@ -55,6 +55,8 @@ class PlannerSetup:
     """Offline planning: the traced batch is the whole step's batch, shared by dp replicas x nmicros
     micro-batches (batch_scale = 1 / (dp x nmicros)); otherwise it is one micro-batch of one replica."""
     measured: dict[str, float] | None = None
+    tp_mesh: str | tuple[int, ...] = "auto"
+    """2-D splits: the mesh of a stage's tensor-parallel devices, 'auto' or 'off' (see mesh_for)."""
     """Measured op times (pas_config['profile_db_path']), overriding the analytic ones where present."""
     step_overhead: float = 0.0
     """Seconds one device spends per micro-batch outside its ops (the backward pass's start, the
@@ -110,6 +112,17 @@ def micro_options(setup: PlannerSetup, dp: int) -> list[int]:
     return [m for m in (1, 4, 16, 64) if m * dp <= batch] or [1]
 
 
+def mesh_for(setup: PlannerSetup, ways: int) -> tuple[int, ...]:
+    """The 2-D mesh offered to a stage of `ways` devices: pas_config['tp_mesh'] where it has that many
+    devices, [2, ways / 2] under 'auto' for an even degree of 4 or more, else () (1-D splits only)."""
+    if setup.tp_mesh == "off":
+        return ()
+    if setup.tp_mesh == "auto":
+        return (2, ways // 2) if ways >= 4 and ways % 2 == 0 else ()
+    mesh = tuple(setup.tp_mesh)
+    return mesh if math.prod(mesh) == ways and len(mesh) == 2 and min(mesh) > 1 else ()
+
+
 def _ctx(setup: PlannerSetup, ways: int) -> CostContext:
     return CostContext(
         setup.cluster,
@@ -121,6 +134,7 @@ def _ctx(setup: PlannerSetup, ways: int) -> CostContext:
         traced_batch=setup.traced_batch,
         batch_scale=setup.batch_scale,
         measured=setup.measured,
+        mesh=mesh_for(setup, ways),
     )
 
 

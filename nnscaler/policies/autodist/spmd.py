@@ -196,7 +196,7 @@ def _solve(
         cnt = folded.count[n]
         for i, c in enumerate(table[n].choices):
             per_step = c.time * nmicros + c.sync
-            objective.append((per_step + (_EPS_SPLIT if c.plan.split else 0.0)) * cnt * x[n, i])
+            objective.append((per_step + (_EPS_SPLIT if c.plan.is_split else 0.0)) * cnt * x[n, i])
     outputs = set(graph.output_names())
     edge_cost: dict[tuple, list[list[float]]] = {}
     shared_terms: list[tuple] = []
@@ -218,7 +218,7 @@ def _solve(
         nvars_y += 1
         for _, _, v, slot, _ in keys:
             for b, c in enumerate(table[v].choices):
-                if c.plan.split is not None and isinstance(c.inputs[slot], Replicate):
+                if c.plan.is_split and isinstance(c.inputs[slot], Replicate):
                     prob += z >= x[v, b]
         cost = all_reduce(ctx.value_bytes(graph, ref), ctx.ways, ctx.tp_link)
         objective.append(cost * max(edges[k] for k in keys) * nmicros * z)
@@ -232,9 +232,7 @@ def _solve(
         if u is None:
             src = Replicate() if oi == "input" else None
             for b, c in enumerate(cv):
-                cost = reshard_time(
-                    src, c.inputs[slot], nbytes, ctx, c.plan.split is not None, meta.requires_grad
-                )
+                cost = reshard_time(src, c.inputs[slot], nbytes, ctx, c.plan.is_split, meta.requires_grad)
                 if math.isinf(cost):
                     prob += x[v, b] == 0
                 elif cost:
@@ -248,7 +246,7 @@ def _solve(
                     c.inputs[slot],
                     nbytes,
                     ctx,
-                    c.plan.split is not None,
+                    c.plan.is_split,
                     meta.requires_grad,
                     sg,
                 )
@@ -324,9 +322,7 @@ def _solve(
     for u, oi, keys, cost in shared_terms:  # charge the shared all-reduce to the producer
         chosen = [table[v].choices[pick[v]] for _, _, v, _, _ in keys]
         slots = [k[3] for k in keys]
-        if any(
-            c.plan.split is not None and isinstance(c.inputs[s], Replicate) for c, s in zip(chosen, slots)
-        ):
+        if any(c.plan.is_split and isinstance(c.inputs[s], Replicate) for c, s in zip(chosen, slots)):
             if isinstance(table[u].choices[pick[u]].outputs[oi], Replicate):
                 out_cost[(u, pick[u])] = out_cost.get((u, pick[u]), 0.0) + cost
     return _result(
@@ -369,7 +365,7 @@ def _result(graph, folded, table, edges, edge_cost, out_cost, pick, ctx, stats) 
             nbytes = ctx.value_bytes(graph, ref)
             ch = table[v].choices[pick[v]]
             src = Replicate() if oi == "input" else None
-            c = reshard_time(src, ch.inputs[slot], nbytes, ctx, ch.plan.split is not None, meta.requires_grad)
+            c = reshard_time(src, ch.inputs[slot], nbytes, ctx, ch.plan.is_split, meta.requires_grad)
         share = c * cnt / folded.count[v]
         rep_time[v] += share
         rep_comm[v] += share
