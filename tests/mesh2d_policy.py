@@ -83,3 +83,22 @@ SLOW_LINK_CLUSTER = {
     "inter_node": {"bandwidth_gbs": 0.5, "latency_us": 2},
 }
 """A cluster where the cost of a collective is its bytes: 2-D splits pay off on TokenFFN."""
+
+
+def two_stages_data_x_tp(graph: Graph, cfg: ComputeConfig) -> Plan:
+    """Two pipeline stages (the second starts at the second transformer block), each a 2 x 2 mesh
+    split as data_x_tp; plan_ngpus 8, end-to-end mode with pas_config['nmicros'] micro-batches."""
+    from nnscaler.policies import PipelinePlan
+    from nnscaler.policies.staging import pivot_starts
+
+    inner = data_x_tp(graph, ComputeConfig(cfg.plan_ngpus // 2, cfg.plan_ngpus // 2))
+    blocks = pivot_starts(graph, ("Block",))
+    starts = (graph.nodes[0].name, graph.nodes[blocks[1][0]].name)
+    staged = Plan(
+        "two_stages_data_x_tp",
+        cfg.plan_ngpus,
+        inner.nodes,
+        pipeline=PipelinePlan(starts, pp_size=2, nmicros=1),
+        mesh=inner.mesh,
+    )
+    return cfg.apply_pipeline_scheduler(staged, 2, cfg.pas_config["nmicros"], "1f1b")

@@ -142,3 +142,21 @@ def test_autodist_2d_plan_parity(tmp_path):
     plan = _plan_of(tmp_path)
     assert plan["mesh"] == [2, 2]
     assert sum(1 for p in plan["nodes"].values() if p.get("mesh_splits")) >= 4
+
+
+def test_pipeline_stages_on_2x2_meshes_parity(tmp_path):
+    """Two 1F1B stages, each split 2-D over its own 2 x 2 mesh (8 ranks)."""
+    from tests.mesh2d_policy import two_stages_data_x_tp
+
+    run_parity(
+        "gpt",
+        two_stages_data_x_tp,
+        8,
+        8,
+        steps=2,
+        tmp_path=tmp_path,
+        nmicros=2,
+        config_kwargs={"use_end2end": True, "pas_config": {"nmicros": 2}},
+    )
+    code = _gencode(tmp_path, 5)  # stage 1, mesh coordinates (0, 1)
+    assert '"tp_axis0": [5, 7], "tp_axis1": [4, 5]' in code.replace("'", '"')

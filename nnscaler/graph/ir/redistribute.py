@@ -4,6 +4,7 @@ to another. Pure layout algebra: partition turns each move into collectives, aut
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from nnscaler.graph.ir.layout import Layout, Partial, Placement, Replicate, Shard, mesh_layout, placements_of
 
@@ -39,13 +40,14 @@ def _outer_pending(cur: list[Placement], want: tuple[Placement, ...], k: int, ta
     )
 
 
-def redistribute_moves(src: Layout, dst: Layout, naxes: int) -> list[AxisMove]:
+@lru_cache(maxsize=1 << 14)  # layouts are frozen; the planner asks for the same pairs many times
+def redistribute_moves(src: Layout, dst: Layout, naxes: int) -> tuple[AxisMove, ...]:
     """Per-axis moves from src to dst on an `naxes`-axis mesh, in two passes (DTensor's redistribute
     order): innermost axis first, undo what must change (gathers, reductions, all-to-alls); then
     outermost first, make the new shards (local splits). An inner shard that blocks a change is
     gathered first and remade in pass two. Raises ValueError when dst holds a partial sum src lacks."""
     if src == dst:
-        return []
+        return ()
     want = placements_of(dst, naxes)
     cur, moves = list(placements_of(src, naxes)), []
 
@@ -73,4 +75,4 @@ def redistribute_moves(src: Layout, dst: Layout, naxes: int) -> list[AxisMove]:
     for k in range(naxes):
         if cur[k] != want[k]:
             move(k, want[k])
-    return moves
+    return tuple(moves)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from nnscaler.graph.ir import (
     Graph,
@@ -240,7 +241,15 @@ def _mesh_reshard_time(
     """reshard_time on a 2-D mesh: each per-axis move (redistribute_moves) as a 1-D conversion over that
     axis's devices, on the bytes one such group holds; a split consumer's partial gradients of an input it
     holds whole along an axis are all-reduced over that axis (Megatron's f per axis)."""
-    naxes = len(ctx.mesh)
+    links = tuple(ctx.axis_link(k) for k in range(len(ctx.mesh)))
+    return _mesh_reshard_cached(src, dst, nbytes, ctx.mesh, ctx.ways, links, ctx.tp_link, f_grad, bwd)
+
+
+@lru_cache(maxsize=1 << 16)  # the search costs the same few layout pairs on the same tensors many times
+def _mesh_reshard_cached(
+    src, dst, nbytes: float, mesh, ways: int, links, tp_link, f_grad: bool, bwd: bool
+) -> float:
+    naxes = len(mesh)
     try:
         moves = redistribute_moves(src, dst, naxes)
     except ValueError:
@@ -249,18 +258,16 @@ def _mesh_reshard_time(
     for m in moves:
         placements = list(placements_of(cur, naxes))
         placements[m.axis] = Replicate()
-        group_bytes = local_bytes(nbytes, mesh_layout(placements), ctx.ways, ctx.mesh)
-        total += _placement_time(
-            m.src, m.dst, group_bytes, ctx.mesh[m.axis], ctx.axis_link(m.axis), bwd, False, True
-        )
+        group_bytes = local_bytes(nbytes, mesh_layout(placements), ways, mesh)
+        total += _placement_time(m.src, m.dst, group_bytes, mesh[m.axis], links[m.axis], bwd, False, True)
         cur = m.after
     if f_grad:
-        held = local_bytes(nbytes, dst, ctx.ways, ctx.mesh)
+        held = local_bytes(nbytes, dst, ways, mesh)
         whole = [k for k, p in enumerate(placements_of(dst, naxes)) if isinstance(p, Replicate)]
         if len(whole) == naxes:
-            total += all_reduce(held, ctx.ways, ctx.tp_link)
+            total += all_reduce(held, ways, tp_link)
         else:
-            total += sum(all_reduce(held, ctx.mesh[k], ctx.axis_link(k)) for k in whole)
+            total += sum(all_reduce(held, mesh[k], links[k]) for k in whole)
     return total
 
 

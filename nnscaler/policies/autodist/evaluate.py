@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from nnscaler.graph.ir import Graph
 from nnscaler.policies.autodist.comm import send_recv
@@ -23,10 +24,12 @@ def evaluate_nodes(
     starts: list[int] | None = None,
     nmicros: int = 1,
     recompute: tuple[str, ...] = (),
+    mesh: tuple[int, ...] = (),
 ) -> Candidate:
-    """The predicted step time and memory of per-node splits over plan_ngpus // pp devices per stage."""
+    """The predicted step time and memory of per-node splits over plan_ngpus // pp devices per stage
+    (`mesh`: the stage mesh of nodes with 2-D splits)."""
     tp = setup.plan_ngpus // pp
-    ctx = _ctx(setup, tp)
+    ctx = replace(_ctx(setup, tp), mesh=mesh)
     fixed = {n.name: nodes.get(n.name, REPLICATE) for n in graph.nodes}
     fixed = {k: (v if v.is_split else REPLICATE) for k, v in fixed.items()}
     fixed = {  # notes do not matter
@@ -79,7 +82,9 @@ def evaluate_plan(graph: Graph, setup: PlannerSetup, plan: Plan) -> Candidate:
     """Re-cost a Plan for the current shapes and cluster."""
     index = {n.name: i for i, n in enumerate(graph.nodes)}
     if plan.pipeline is None:
-        return evaluate_nodes(graph, setup, plan.nodes, nmicros=setup.nmicros or 1, recompute=plan.recompute)
+        return evaluate_nodes(
+            graph, setup, plan.nodes, nmicros=setup.nmicros or 1, recompute=plan.recompute, mesh=plan.mesh
+        )
     p = plan.pipeline
     if p.nstages != p.pp_size:
         return Candidate(p.pp_size, plan.tp_size, p.nmicros, False, math.nan, math.nan, None)  # type: ignore[arg-type]
@@ -91,4 +96,5 @@ def evaluate_plan(graph: Graph, setup: PlannerSetup, plan: Plan) -> Candidate:
         starts=[index[s] for s in p.starts],
         nmicros=p.nmicros,
         recompute=plan.recompute,
+        mesh=plan.mesh,
     )

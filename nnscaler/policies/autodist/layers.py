@@ -32,7 +32,17 @@ class LayerFold:
 def layer_instances(
     graph: Graph, pivots: tuple[str, ...] | None = None
 ) -> tuple[tuple[str, ...], list[tuple[str, list[int]]]]:
-    """The pivot classes and every instance's (path, node indices); ((), []) when none are found."""
+    """The pivot classes and every instance's (path, node indices); ((), []) when none are found.
+    Once per graph and pivots (a search asks for every configuration it scores)."""
+    memo = graph_memo(graph).setdefault("layer_instances", {})
+    key = tuple(pivots) if pivots else None
+    if key not in memo:
+        memo[key] = _layer_instances(graph, pivots)
+    pivots_found, instances = memo[key]
+    return pivots_found, [(path, list(idx)) for path, idx in instances]
+
+
+def _layer_instances(graph: Graph, pivots: tuple[str, ...] | None):
     if pivots:  # the user's pivots: a name that matches nothing is their mistake, said as such
         pivots = tuple(pivots)
         starts = pivot_starts(graph, pivots)
@@ -42,15 +52,14 @@ def layer_instances(
         except PlanError:  # no repeated layers: nothing to fold, no pipeline boundaries
             return (), []
         starts = pivot_starts(graph, pivots)
-    out = []
-    for _, path in starts:
-        idx = [
-            i
-            for i, n in enumerate(graph.nodes)
-            if n.module_path == path or n.module_path.startswith(path + ".")
-        ]
-        out.append((path, idx))
-    return pivots, out
+    members: dict[str, list[int]] = {path: [] for _, path in starts}
+    for i, n in enumerate(graph.nodes):  # one pass: a node belongs to every instance its path starts with
+        parts = n.module_path.split(".") if n.module_path else []
+        for k in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:k])
+            if prefix in members:
+                members[prefix].append(i)
+    return pivots, [(path, members[path]) for _, path in starts]
 
 
 def _signature(graph: Graph, idx: list[int]) -> tuple:

@@ -112,18 +112,20 @@ def micro_options(setup: PlannerSetup, dp: int) -> list[int]:
     return [m for m in (1, 4, 16, 64) if m * dp <= batch] or [1]
 
 
-def mesh_for(setup: PlannerSetup, ways: int) -> tuple[int, ...]:
+def mesh_for(setup: PlannerSetup, ways: int, pipelined: bool = False) -> tuple[int, ...]:
     """The 2-D mesh offered to a stage of `ways` devices: pas_config['tp_mesh'] where it has that many
-    devices, [2, ways / 2] under 'auto' for an even degree of 4 or more, else () (1-D splits only)."""
+    devices; under 'auto', [2, ways / 2] for an even degree of 4 or more without pipeline stages (the
+    pipeline search solves a stage program per configuration: 2-D choices there tripled the 70B
+    search time); else () (1-D splits only)."""
     if setup.tp_mesh == "off":
         return ()
     if setup.tp_mesh == "auto":
-        return (2, ways // 2) if ways >= 4 and ways % 2 == 0 else ()
+        return (2, ways // 2) if ways >= 4 and ways % 2 == 0 and not pipelined else ()
     mesh = tuple(setup.tp_mesh)
     return mesh if math.prod(mesh) == ways and len(mesh) == 2 and min(mesh) > 1 else ()
 
 
-def _ctx(setup: PlannerSetup, ways: int) -> CostContext:
+def _ctx(setup: PlannerSetup, ways: int, pipelined: bool = False) -> CostContext:
     return CostContext(
         setup.cluster,
         ways=ways,
@@ -134,13 +136,18 @@ def _ctx(setup: PlannerSetup, ways: int) -> CostContext:
         traced_batch=setup.traced_batch,
         batch_scale=setup.batch_scale,
         measured=setup.measured,
-        mesh=mesh_for(setup, ways),
+        mesh=mesh_for(setup, ways, pipelined),
     )
 
 
 def _transient(graph: Graph, ctx: CostContext, setup: PlannerSetup) -> float:
-    largest = max((ctx.value_bytes(graph, v) for v in graph.values if graph.values[v].meta), default=0.0)
-    return setup.memory.transient_mem_coef * largest / max(ctx.ways, 1)
+    memo = graph_memo(graph).setdefault("largest_value", {})
+    key = (ctx.batch_scale, ctx.traced_batch, ctx.compute_dtype)
+    if key not in memo:
+        memo[key] = max(
+            (ctx.value_bytes(graph, v) for v in graph.values if graph.values[v].meta), default=0.0
+        )
+    return setup.memory.transient_mem_coef * memo[key] / max(ctx.ways, 1)
 
 
 def fixed_costs(graph: Graph, setup: PlannerSetup, ctx: CostContext, nmicros: int, stages: int = 1) -> float:
@@ -203,7 +210,7 @@ def _pipeline_candidates(
             continue
         if setup.max_tp is not None and tp > setup.max_tp:
             continue
-        ctx = _ctx(setup, tp)
+        ctx = _ctx(setup, tp, pipelined=True)
         limit = setup.mem_limit - _transient(graph, ctx, setup)
         kept_inputs = sum(_segment_input(graph, ctx, i) for i in seg_starts)  # stage 0's, all in flight
         for rc in [bool(setup.recompute)] if setup.recompute else [False, True]:
