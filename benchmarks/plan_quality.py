@@ -147,6 +147,7 @@ def run_row(name: str, layers: int | None) -> dict:
         "autodist_step_ms": round(best.step_time * 1e3, 3),
         "autodist_mem_gb": round(best.memory / 1e9, 2),
         "autodist_fits": best.memory <= result.setup.mem_limit,
+        "autodist_2d_ops": sum(1 for p in best.spmd.plans.values() if p.mesh_splits) if best.spmd else 0,
         "best_recipe": best_recipe.name if best_recipe else None,
         "best_recipe_step_ms": round(best_recipe.candidate.step_time * 1e3, 3) if best_recipe else None,
         "recipes_fitting": len(fitting),

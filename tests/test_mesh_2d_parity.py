@@ -44,8 +44,10 @@ def test_data_x_tp_parity(model, shapes, tmp_path):
 
 
 def test_data_x_tp_with_data_parallel_replicas_sgd(tmp_path):
-    """plan 4 (2 x 2) x 2 replicas; SGD so parameters are compared tightly."""
-    run_parity("mlp", data_x_tp, 4, 8, steps=2, tmp_path=tmp_path, optimizer="sgd")
+    """plan 4 (2 x 2) x 2 replicas with ZeRO; SGD so parameters are compared tightly."""
+    run_parity(
+        "mlp", data_x_tp, 4, 8, steps=2, tmp_path=tmp_path, optimizer="sgd", config_kwargs={"use_zero": True}
+    )
 
 
 _COLLECTIVES = (
@@ -142,6 +144,8 @@ def test_autodist_2d_plan_parity(tmp_path):
     plan = _plan_of(tmp_path)
     assert plan["mesh"] == [2, 2]
     assert sum(1 for p in plan["nodes"].values() if p.get("mesh_splits")) >= 4
+    (report,) = list((tmp_path / "gen").rglob("plan_report.md"))
+    assert "2-D splits over a 2 x 2 mesh" in report.read_text()
 
 
 def test_pipeline_stages_on_2x2_meshes_parity(tmp_path):

@@ -118,3 +118,17 @@ def test_constraints_bind_both_axes(ffn_graph):
 def test_tp_mesh_errors_name_the_option(ffn_graph):
     with pytest.raises(PlanError, match=r"pas_config\['tp_mesh'\]"):
         _plan(ffn_graph, tp_mesh=[4])
+
+
+def test_profiler_measures_2d_local_shapes(ffn_graph):
+    from nnscaler.policies.autodist.profiler import profile_graph
+
+    db = profile_graph(ffn_graph, ways=(4,), repeats=1)
+    ctx = CostContext(CLUSTER, ways=4, mesh=(2, 2), measured={k: 7.0 for k in db.entries})
+    linear = next(n for n in ffn_graph.nodes if n.op == "aten.linear.default")
+    choices = node_choices(ffn_graph, linear, ctx, MemoryModel(), set()).choices
+    two_d = [c for c in choices if c.plan.mesh_splits]
+    assert two_d and all(c.compute == 7.0 for c in two_d)  # measured, not analytic
+    # (batch x output features): the input keeps half its rows, the weight half its rows
+    x, w = (ffn_graph.values[r].meta.shape for r in linear.input_names()[:2])
+    assert any(f"{x[0] // 2}x{x[1]}x{x[2]};{w[0] // 2}x{w[1]}" in k for k in db.entries)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from nnscaler.graph.ir import Graph, Node, Ref, map_refs
-from nnscaler.graph.ops import annotate_node, get_rule, layouts_for
+from nnscaler.graph.ops import annotate_node, get_rule, layouts_for, mesh_layouts_for
 from nnscaler.policies.autodist.choices import _local_shapes, _plans, op_key, tensor_refs
 from nnscaler.policies.autodist.cluster import LinkSpec
 from nnscaler.policies.autodist.cost import is_free_op
@@ -65,9 +65,11 @@ class ProfileDB:
         return cls(data.get("device", "cpu"), entries, links, float(data.get("step_overhead_s", 0.0)))
 
 
-def local_shapes(graph: Graph, refs: list[str], layouts, ways: int) -> list[tuple[int, ...]]:
-    """Shapes one device sees of each tensor input under `layouts`."""
-    return _local_shapes(graph, refs, layouts, ways)
+def local_shapes(
+    graph: Graph, refs: list[str], layouts, ways: int, mesh: tuple[int, ...] = ()
+) -> list[tuple[int, ...]]:
+    """Shapes one device sees of each tensor input under `layouts` (MeshLayouts over `mesh`)."""
+    return _local_shapes(graph, refs, layouts, ways, mesh)
 
 
 def _tensor(meta, shape, device: torch.device):
@@ -144,8 +146,8 @@ def profile_graph(
     db: ProfileDB | None = None,
     device: str | torch.device | None = None,
 ) -> ProfileDB:
-    """Measure every op of `graph` at the local shapes of each candidate split over each of `ways`,
-    on `device` (default: the current CUDA device where there is one, else the CPU; a given `db`
+    """Measure every op of `graph` at the local shapes of each candidate split over each of `ways`
+    (2-D splits too, over the [2, w / 2] mesh autodist offers for an even w of 4 or more), on `device` (default: the current CUDA device where there is one, else the CPU; a given `db`
     keeps its own device)."""
     if device is None:
         device = db.device if db is not None else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -170,13 +172,21 @@ def profile_graph(
         if out_meta is None:
             continue
         for w in ways:
-            for plan in _plans(graph, node, bound, w):
-                if plan.split is not None and rule.specials.get(plan.split) is not None:
+            mesh = (2, w // 2) if w >= 4 and w % 2 == 0 else ()  # the mesh tp_mesh 'auto' offers
+            for plan in _plans(graph, node, bound, w, mesh):
+                idents = [i for i, _ in plan.mesh_splits] if plan.mesh_splits else [plan.split]
+                if any(i is not None and rule.specials.get(i) is not None for i in idents):
                     continue
-                lay = layouts_for(bound, rule, plan.split, plan.ways if plan.split else 1, plan.blocks)
-                if isinstance(lay, str) or (plan.blocks > 1):
+                if plan.mesh_splits:
+                    lay = mesh_layouts_for(bound, rule, plan.mesh_splits, mesh)
+                    blocked = any(b > 1 for _, b in plan.mesh_splits)
+                else:
+                    lay = layouts_for(bound, rule, plan.split, plan.ways if plan.split else 1, plan.blocks)
+                    blocked = plan.blocks > 1
+                if isinstance(lay, str) or blocked:
                     continue
-                shapes = local_shapes(graph, refs, lay.inputs, plan.ways if plan.split else 1)
+                plan_ways = w if plan.mesh_splits else (plan.ways if plan.split else 1)
+                shapes = local_shapes(graph, refs, lay.inputs, plan_ways, mesh)
                 key = op_key(node.op, shapes, out_meta.dtype)
                 if key in db.entries:
                     continue

@@ -65,6 +65,12 @@ def plan_report(
         f"Chosen: {cand.label()} over plan_ngpus={setup.plan_ngpus}, x{setup.dp_size} data-parallel "
         f"replica(s), ZeRO stage {setup.memory.zero_stage}"
         + (f", recompute {', '.join(plan.recompute) or 'ROOT'}" if plan.recompute else "")
+        + (
+            f"; 2-D splits over a {' x '.join(map(str, plan.mesh))} mesh of each stage's devices "
+            "(partition `(axis 0, axis 1)`)"
+            if plan.mesh
+            else ""
+        )
         + ".",
         "",
         f"Predicted step: {_ms(cand.step_time)} ms ({_ms(cand.time_per_micro)} ms per micro-batch); memory on "
