@@ -34,6 +34,20 @@ def test_native_loop_is_built_where_a_compiler_exists():
         assert native_available(), "a C++ compiler is present but the pybind11 module did not build"
 
 
+def test_native_loop_is_found_from_outside_the_checkout(tmp_path):
+    """cppimport must find the source by file, not by walking sys.path: an editable install (a path
+    hook) puts no directory of the package there, and the planner silently fell back to Python."""
+    if not (shutil.which("g++") or shutil.which("c++")):
+        return  # no compiler: the fallback is what runs (test_python_fallback_plans_without_native)
+    code = "from nnscaler.policies.autodist.pipeline_dp import native_available; print(native_available())"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True", out.stderr
+
+
 def test_native_and_python_give_identical_plans():
     rng = random.Random(12)
     for _ in range(300):

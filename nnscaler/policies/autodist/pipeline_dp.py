@@ -74,7 +74,10 @@ def native_stage_dp():
             try:
                 import cppimport
 
-                _NATIVE = cppimport.imp("nnscaler.policies.autodist._stage_dp").stage_dp
+                # by file, not by module name: cppimport's name lookup walks sys.path directories,
+                # which an editable install (a path hook) does not put there
+                source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_stage_dp.cpp")
+                _NATIVE = cppimport.imp_from_filepath(source, "nnscaler.policies.autodist._stage_dp").stage_dp
             except Exception as exc:  # no compiler / headers: the Python loop gives the same answers
                 warnings.warn(
                     f"autodist: C++ pipeline DP unavailable ({exc}); using the Python loop", stacklevel=2
