@@ -15,14 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
 import time
 
 import torch
 
-from nnscaler.graph.capture import capture
-from nnscaler.policies.autodist import load_cluster
-from nnscaler.policies.autodist.offline import plan_offline
-from nnscaler.policies.autodist.recipes import standard_recipes
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from nnscaler.graph.capture import capture  # noqa: E402
+from nnscaler.policies.autodist import load_cluster  # noqa: E402
+from nnscaler.policies.autodist.offline import plan_offline  # noqa: E402
+from nnscaler.policies.autodist.recipes import standard_recipes  # noqa: E402
 
 
 def _lm(config_cls_name: str, model_cls_name: str, **cfg):
