@@ -287,41 +287,30 @@ def op_key(op: str, shapes: list[tuple[int, ...]], dtype: str) -> str:
 
 def _internal_comm(bound, rule, plan: NodePlan, in_bytes, out_bytes, ctx: CostContext) -> float:
     """Communication a split does inside the op: the all-reduce after a reduction with a bias, and the
-    collectives of special local code (vocab-parallel embedding and cross entropy)."""
+    collectives of special local code (vocab-parallel embedding and cross entropy). A 2-D split pays
+    each axis's over that axis's devices, on the bytes the other axis leaves each of them."""
     if not plan.is_split or bound is None or ctx.ways <= 1:
         return 0.0
-    if plan.mesh_splits:
-        return _mesh_internal_comm(bound, rule, plan, in_bytes, out_bytes, ctx)
-    special = rule.specials.get(plan.split) if rule is not None else None
-    if special is not None and special.output == "replicate":
-        size = bound.sizes.get(plan.split, 1) or 1
-        rows = max(in_bytes[0] / size if in_bytes else 0.0, sum(out_bytes))
-        return all_reduce(rows, ctx.ways, ctx.tp_link) * (2.0 if ctx.training else 1.0)
-    if rule is not None and rule.bias_input is not None and bound.anno.flag_of(plan.split) == "+":
-        if rule.bias_input < len(bound.anno.inputs):
-            return all_reduce(sum(out_bytes), ctx.ways, ctx.tp_link)
-    return 0.0
-
-
-def _mesh_internal_comm(bound, rule, plan: NodePlan, in_bytes, out_bytes, ctx: CostContext) -> float:
-    """_internal_comm of a 2-D split: each axis's collective over that axis's devices, on the bytes
-    the other axis leaves each of them."""
+    if not plan.mesh_splits:
+        return _split_comm(bound, rule, plan.split, in_bytes, out_bytes, ctx.ways, ctx.tp_link, ctx.training)
     total = 0.0
     for k, ((ident, _), size) in enumerate(zip(plan.mesh_splits, ctx.mesh)):
         if ident is None:
             continue
         others = math.prod(s for j, s in enumerate(ctx.mesh) if j != k and plan.mesh_splits[j][0] is not None)
-        one_axis = NodePlan(ident, size)
-        sub = CostContext(ctx.cluster, ways=size, training=ctx.training)
-        link_ctx = _AxisLinkContext(sub, ctx.axis_link(k))
-        total += _internal_comm(
-            bound, rule, one_axis, [b / others for b in in_bytes], [b / others for b in out_bytes], link_ctx
-        )
+        ins, outs = [b / others for b in in_bytes], [b / others for b in out_bytes]
+        total += _split_comm(bound, rule, ident, ins, outs, size, ctx.axis_link(k), ctx.training)
     return total
 
 
-class _AxisLinkContext:
-    """A CostContext over one mesh axis: its size and its link (what _internal_comm reads)."""
-
-    def __init__(self, ctx: CostContext, link) -> None:
-        self.ways, self.training, self.tp_link = ctx.ways, ctx.training, link
+def _split_comm(bound, rule, ident: str, in_bytes, out_bytes, p: int, link, training: bool) -> float:
+    """_internal_comm of a split on `ident` over `p` devices joined by `link`."""
+    special = rule.specials.get(ident) if rule is not None else None
+    if special is not None and special.output == "replicate":
+        size = bound.sizes.get(ident, 1) or 1
+        rows = max(in_bytes[0] / size if in_bytes else 0.0, sum(out_bytes))
+        return all_reduce(rows, p, link) * (2.0 if training else 1.0)
+    if rule is not None and rule.bias_input is not None and bound.anno.flag_of(ident) == "+":
+        if rule.bias_input < len(bound.anno.inputs):
+            return all_reduce(sum(out_bytes), p, link)
+    return 0.0
