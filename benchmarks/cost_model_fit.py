@@ -7,15 +7,17 @@ training step (forward + backward + gradient synchronisation; the optimizer upda
 the cost model and is not timed) beside the measured median, and their ratio. Target: every ratio
 within 25% (0.75 .. 1.25).
 
-The measured database comes first: `profile_graph` times every op of each model at the local shapes
-of its candidate splits (one thread, as each of the two processes gets one core); it is kept
-(`--db`) and reused unless `--reprofile`. Then the two processes fit the gloo link from timed
-all-reduces (`profile_link`), right before the steps they time: on a shared machine gloo's latency
-moves with the load, so the link is measured beside what it is to predict. Link fit and steps are
-repeated `--rounds` times (each round's steps predicted with that round's link); a row's ratio is the
-median over rounds, and every round's ratio is printed too, so the machine's own noise shows.
+The measurements are taken in rounds, each made of everything a prediction needs, right before the
+steps it predicts: `profile_graph` times every op of each model at the local shapes of its candidate
+splits (rank 0, one thread, as each of the two processes gets one core, while rank 1 waits), both
+processes fit the gloo link from timed all-reduces (`profile_link`), then every plan runs its steps.
+On a shared machine both the op times and gloo's latency move with the load for seconds at a time,
+so a database measured minutes earlier predicts a differently loaded machine; measured beside the
+steps, it predicts the machine the steps met. Each round's steps are predicted with that round's
+database; a row's ratio is the median over rounds, and every round's ratio is printed too, so the
+machine's own noise shows. Round 0's database also plans the `autodist` rows (`--db` keeps a copy).
 
-    python benchmarks/cost_model_fit.py [--models gpt,llama,bert,mlp] [--steps 30] [--db ops_cpu.json]
+    python benchmarks/cost_model_fit.py [--models gpt,llama,bert,mlp] [--steps 20] [--rounds 21] [--db ops_cpu.json]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -38,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import load_note  # noqa: E402
 from nnscaler import ComputeConfig  # noqa: E402
 from nnscaler.graph.ir import graph_from_json  # noqa: E402
+from nnscaler.graph.ir.serialize import graph_to_json  # noqa: E402
 from nnscaler.parallel.compile import compile_module  # noqa: E402
 from nnscaler.policies import Plan  # noqa: E402
 from nnscaler.policies.autodist import planner_setup  # noqa: E402
@@ -56,39 +60,31 @@ def _config(policy: str, plan_ngpus: int, db: str) -> ComputeConfig:
     return ComputeConfig(plan_ngpus, WORLD, pas_config=pas)
 
 
-def _compiled(name: str, policy: str, plan_ngpus: int, db: str, outdir: Path, batch: int):
-    model, make_batch = zoo.build(name, seed=0)
-    dummy = make_batch(DUMMY_SEED, batch)
-    result = compile_module(model, dummy, policy, _config(policy, plan_ngpus, db), outdir, name)
-    plan = Plan.from_json((outdir / "plan.json").read_text())
-    return result.graph, plan
-
-
-def build_db(models: list[str], path: Path, batch: int) -> ProfileDB:
-    """Time every op of every model (1 and 2 ways); the link is measured beside the steps."""
-    torch.set_num_threads(1)
-    db = ProfileDB("cpu")
+def profile_graphs(models: list[str], outdir: Path, batch: int) -> None:
+    """Trace each model once (one device) and keep its graph, for the op profiles of every round."""
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
             model, make_batch = zoo.build(name, seed=0)
             result = compile_module(
                 model, make_batch(DUMMY_SEED, batch), "dp", ComputeConfig(1, 1), Path(tmp) / name, name
             )
-            profile_graph(result.graph, ways=(1, 2), repeats=9, db=db)
-    db.save(path)
+            (outdir / f"graph_{name}.json").write_text(graph_to_json(result.graph))
+
+
+def measure_ops(graphs: list) -> ProfileDB:
+    """Every op of every graph timed at its 1- and 2-way local shapes, on this process's one thread."""
+    db = ProfileDB("cpu")
+    for graph in graphs:
+        profile_graph(graph, ways=(1, 2), repeats=9, db=db)
     return db
 
 
-def predict(
-    name: str, policy: str, plan_ngpus: int, db: str, outdir: Path, batch: int, cost_db: str | None = None
-) -> dict:
-    """The plan compiled with database `db`, costed with `cost_db` (default: the same)."""
-    if (outdir / "plan.json").exists():
-        graph = graph_from_json((outdir / "graph.json").read_text())
-        plan = Plan.from_json((outdir / "plan.json").read_text())
-    else:
-        graph, plan = _compiled(name, policy, plan_ngpus, db, outdir, batch)
-    pas = {"cluster": "cpu_gloo", "profile_db_path": cost_db or db}
+def predict(name: str, policy: str, plan_ngpus: int, gen_dir: Path, db: str) -> dict:
+    """The plan the run compiled into `gen_dir`, costed with database `db`."""
+    plan_file = next(gen_dir.rglob("plan.json"))
+    graph = graph_from_json((plan_file.parent / "graph.json").read_text())
+    plan = Plan.from_json(plan_file.read_text())
+    pas = {"cluster": "cpu_gloo", "profile_db_path": db}
     setup = planner_setup(graph, ComputeConfig(plan_ngpus, WORLD, pas_config=pas))
     cand = evaluate_plan(graph, setup, plan)
     return {"predicted_s": cand.step_time, "split": plan.split_summary()["split"], "ops": len(graph.nodes)}
@@ -101,21 +97,24 @@ def _step_worker(rank: int, tmp: str, cases: list, args: argparse.Namespace) -> 
     import nnscaler
 
     nnscaler.init()  # the group is up; this arranges the orderly teardown at exit
+    graphs = [graph_from_json(Path(tmp, f"graph_{m}.json").read_text()) for m in args.models.split(",")]
     modules = {}
     for rnd in range(args.rounds):
-        # the link as this round finds it: gloo's latency on a shared machine moves with its load, so
-        # it is measured beside the steps it is to predict
+        # what this round's steps will meet, measured right before them: the op times (rank 0; rank 1
+        # waits) and the link (both ranks; gloo's latency on a shared machine moves with its load)
+        t0 = time.perf_counter()
+        db = measure_ops(graphs) if rank == 0 else None
+        profile_s = time.perf_counter() - t0
         link = profile_link()
         shared_db = Path(tmp, f"ops_and_link_{rnd}.json")
         if rank == 0:
-            db = ProfileDB.load(args.db)
             db.links["intra_node"] = {"bandwidth_gbs": link.bandwidth_gbs, "latency_us": link.latency_us}
             db.save(shared_db)
         dist.barrier()
         out = {}
         for name, policy, plan_ngpus in cases:
             key = f"{name}/{policy}"
-            if key not in modules:  # compiled once, in the first round (autodist plans with its link)
+            if key not in modules:  # compiled in round 0 (autodist plans with its database)
                 model, make_batch = zoo.build(name, seed=0)
                 pm = nnscaler.parallelize(
                     model,
@@ -128,20 +127,23 @@ def _step_worker(rank: int, tmp: str, cases: list, args: argparse.Namespace) -> 
             pm, make_batch = modules[key]
             data = make_batch(1000 + rank // plan_ngpus, args.batch)
             times = []
+            dist.barrier()
             for step in range(args.warmup + args.steps):
-                dist.barrier()
+                # steps back to back, as training runs them (a barrier before each would add the later
+                # rank's wake-up to every step); the median, as the op profile and link fit take theirs
                 t0 = time.perf_counter()
                 loss = zoo.extract_loss(pm(**data))
                 loss.backward()
                 pm.sync_grad()  # no-op where backward already settled the gradients
                 if step >= args.warmup:
                     times.append(time.perf_counter() - t0)
-                pm.zero_grad(set_to_none=False)
+                pm.zero_grad(set_to_none=False)  # the optimizer's part of a step: not modelled, not timed
+            per_step = statistics.median(times)
             gathered = [None] * WORLD
-            dist.all_gather_object(gathered, statistics.median(times))
+            dist.all_gather_object(gathered, per_step)
             out[key] = max(gathered)  # a step ends when its slowest rank is done
         if rank == 0:
-            Path(tmp, f"measured_{rnd}.json").write_text(json.dumps(out))
+            Path(tmp, f"measured_{rnd}.json").write_text(json.dumps({"steps": out, "profile_s": profile_s}))
     modules.clear()
     nnscaler.uninit()  # gradient buckets first, then the group
 
@@ -150,48 +152,43 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="gpt,llama,bert,mlp")
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument(
-        "--rounds", type=int, default=3, help="link fit + steps, repeated; each row's ratio is the median"
+        "--rounds",
+        type=int,
+        default=21,
+        help="op profile + link fit + steps, repeated; a row's ratio is the median",
     )
-    ap.add_argument("--db", default=None, help="measured database (default: a file in the temp dir)")
-    ap.add_argument("--reprofile", action="store_true", help="measure again even if --db exists")
+    ap.add_argument("--db", default=None, help="keep round 0's measured database (ops and link) here")
     args = ap.parse_args()
     models = args.models.split(",")
-    db_path = Path(args.db or Path(tempfile.gettempdir()) / "nnscaler_ops_cpu.json")
-    args.db = str(db_path)
-    t0 = time.perf_counter()
-    if args.reprofile or not db_path.exists():
-        db = build_db(models, db_path, args.batch)
-    else:
-        db = ProfileDB.load(db_path)
-    profile_s = time.perf_counter() - t0
     rows = []
     links = []
     with tempfile.TemporaryDirectory() as tmp:
+        profile_graphs(models, Path(tmp), args.batch)
         cases = [(m, p, n) for m in models for p, n in PLANS]
         mp.spawn(_step_worker, args=(tmp, cases, args), nprocs=WORLD, join=True)
-        per_round = []  # (link, {case: (predicted, measured)}) per round
+        per_round = []  # {case: (predicted, measured)} per round
+        profile_s = []
         for rnd in range(args.rounds):
             measured = json.loads(Path(tmp, f"measured_{rnd}.json").read_text())
-            db_path = str(Path(tmp, f"ops_and_link_{rnd}.json"))
+            profile_s.append(measured["profile_s"])
+            db_path = Path(tmp, f"ops_and_link_{rnd}.json")
             db = ProfileDB.load(db_path)
             links.append(db.links.get("intra_node"))
             pairs = {}
             for name, policy, n in cases:
-                # the plan the run compiled (round 0's link) re-costed with this round's link
-                outdir = Path(tmp) / "plans" / f"{name}_{policy}"
-                pred = predict(
-                    name, policy, n, str(Path(tmp, "ops_and_link_0.json")), outdir, args.batch, db_path
-                )
-                pairs[(name, policy, n)] = (pred, measured[f"{name}/{policy}"])
+                pred = predict(name, policy, n, Path(tmp, "gen", f"{name}_{policy}"), str(db_path))
+                pairs[(name, policy, n)] = (pred, measured["steps"][f"{name}/{policy}"])
             per_round.append(pairs)
+        if args.db:
+            shutil.copyfile(Path(tmp, "ops_and_link_0.json"), args.db)
         for case in cases:
             name, policy, n = case
             preds = [r[case][0]["predicted_s"] for r in per_round]
             reals = [r[case][1] for r in per_round]
-            ratios_case = sorted(p / m for p, m in zip(preds, reals))
+            ratios_case = [p / m for p, m in zip(preds, reals)]
             rows.append(
                 {
                     "model": name,
@@ -200,7 +197,7 @@ def main() -> None:
                     "predicted_ms": round(statistics.median(preds) * 1e3, 3),
                     "measured_ms": round(statistics.median(reals) * 1e3, 3),
                     "ratio": round(statistics.median(ratios_case), 3),
-                    "ratio_per_round": [round(r, 3) for r in (p / m for p, m in zip(preds, reals))],
+                    "ratio_per_round": [round(r, 3) for r in ratios_case],
                 }
             )
     ratios = [r["ratio"] for r in rows]
@@ -211,7 +208,7 @@ def main() -> None:
                 "links_per_round": links,
                 "rounds": args.rounds,
                 "ops_measured": len(db.entries),
-                "profile_s": round(profile_s, 1),
+                "profile_s_per_round": [round(t, 2) for t in profile_s],
                 "rows": rows,
                 "within_25pct": sum(0.75 <= r <= 1.25 for r in ratios),
                 "of": len(ratios),

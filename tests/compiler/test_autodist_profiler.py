@@ -112,3 +112,40 @@ def test_one_database_holds_one_kind_of_device(zoo_graphs):
 
     with pytest.raises(ValueError, match="one kind of device"):
         profile_graph(zoo_graphs["mlp"][0], db=ProfileDB("cuda"), device="cpu")
+
+
+def test_harness_overhead_leaves_each_op_its_own_cost():
+    """The harness is what a longer chain of the op does not add to: an op that sleeps 2 ms is
+    measured at 2 ms or more, and none of that is taken for the harness (taking a cheap op's whole
+    timing for the harness left every entry short by that op's dispatch cost)."""
+    import time
+
+    import torch
+
+    from nnscaler.policies.autodist.profiler import _per_op_and_rest
+
+    def slow_op(t):
+        time.sleep(0.002)
+        return t * 1.0
+
+    per_op, rest = _per_op_and_rest(slow_op, 1, torch.device("cpu"))
+    assert 0.002 <= per_op < 0.004
+    assert 0.0 <= rest < 0.002
+
+
+def test_free_ops_cost_their_measured_dispatch(zoo_graphs, tmp_path):
+    """A view moves no data but still costs dispatch and autograd time on the host: with a measured
+    database every such op is charged the measured figure (analytically it stays free)."""
+    graph = zoo_graphs["gpt"][0]
+    db = profile_graph(graph, ways=(1,), repeats=1)
+    assert db.free_op_s > 0
+    path = db.save(tmp_path / "ops.json")
+    assert ProfileDB.load(path).free_op_s == db.free_op_s
+    view = next(n for n in graph.nodes if n.op == "aten.view.default")
+    cfg = {"cluster": "cpu_gloo"}
+    plain = planner_setup(graph, ComputeConfig(1, 1, pas_config=cfg))
+    setup = planner_setup(graph, ComputeConfig(1, 1, pas_config={**cfg, "profile_db_path": str(path)}))
+    assert setup.free_op == db.free_op_s
+    charged = node_choices(graph, view, _ctx(setup, 1), MemoryModel(), set()).choices[0].compute
+    assert charged == db.free_op_s
+    assert node_choices(graph, view, _ctx(plain, 1), MemoryModel(), set()).choices[0].compute == 0.0

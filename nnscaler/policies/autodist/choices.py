@@ -196,6 +196,8 @@ def node_choices(
             local_bytes(b, lay_, ways, mesh) for b, lay_ in zip(out_bytes, outs)
         )
         compute = 0.0 if free else compute_time(flops / ways, moved, ctx, dtype, matmul)
+        if ctx.measured and free and ctx.training:  # no kernel, but dispatch and autograd bookkeeping
+            compute = ctx.free_op
         if ctx.measured and not free and ctx.training and scale == 1.0:
             key = op_key(node.op, _local_shapes(graph, refs, ins, ways, mesh), dtype)
             compute = ctx.measured.get(key, compute)

@@ -121,6 +121,8 @@ class CostContext:
     """Multiplies the size of activations that carry the batch (micro-batch size relative to the traced one)."""
     measured: dict[str, float] | None = None
     """Measured forward + backward seconds by op key (profiler.ProfileDB.entries); used where present."""
+    free_op: float = 0.0
+    """Measured forward + backward seconds of an op that moves no data (profiler.ProfileDB.free_op_s)."""
     traced_batch: int = 0
     """Batch size of the trace: an activation whose dim 0 is a multiple of it carries the batch (0: all do)."""
     mesh: tuple[int, ...] = ()

@@ -82,6 +82,7 @@ def planner_setup(
         nmicros=opts.pipeline_nmicros,
         measured=db.entries if db is not None else None,
         step_overhead=db.step_overhead_s if db is not None else 0.0,
+        free_op=db.free_op_s if db is not None else 0.0,
         bucket_bytes=(cfg.reducer_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) * 2**20,
         tp_mesh=_tp_mesh(opts.tp_mesh),
     )

@@ -43,6 +43,9 @@ class ProfileDB:
     step_overhead_s: float = 0.0
     """What timing one op alone costs besides the op (starting a backward pass, the loss): measured
     once, taken out of every entry, and charged once per micro-batch instead."""
+    free_op_s: float = 0.0
+    """Forward + backward seconds of an op that moves no data (a view, a transpose): no kernel, but
+    the framework's dispatch and autograd bookkeeping, charged to every such op (0: not measured)."""
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -51,6 +54,7 @@ class ProfileDB:
             "entries": self.entries,
             "links": self.links,
             "step_overhead_s": self.step_overhead_s,
+            "free_op_s": self.free_op_s,
         }
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
@@ -62,7 +66,13 @@ class ProfileDB:
         data = json.loads(Path(path).read_text())
         links = {k: {f: float(x) for f, x in v.items()} for k, v in data.get("links", {}).items()}
         entries = {k: float(v) for k, v in data["entries"].items()}
-        return cls(data.get("device", "cpu"), entries, links, float(data.get("step_overhead_s", 0.0)))
+        return cls(
+            data.get("device", "cpu"),
+            entries,
+            links,
+            float(data.get("step_overhead_s", 0.0)),
+            float(data.get("free_op_s", 0.0)),
+        )
 
 
 def local_shapes(
@@ -104,12 +114,41 @@ _FLOOR_S = 1e-6
 """Least time an entry keeps once the harness overhead is taken out (timing noise can exceed the op)."""
 
 
-def _harness_overhead(repeats: int, device: torch.device) -> float:
-    """Seconds the timing harness adds around an op: the same harness around the cheapest op there
-    is (a one-element multiply), whose own cost is left in the entries' rounding."""
+_CHAIN = 9
+"""Ops in the longer chain of the overhead measurement (the shorter has one)."""
+
+
+def _per_op_and_rest(op, repeats: int, device: torch.device) -> tuple[float, float]:
+    """Seconds of one `op` (forward + backward) on a one-element tensor, and what the timing harness
+    costs around it, from chains of 1 and _CHAIN ops: the harness is the part a longer chain does
+    not add to (best of 3, as the harness is a floor)."""
     x = torch.ones(1, device=device, requires_grad=True)
-    fn = torch.ops.aten.mul.Tensor
-    return min(_time_once(fn, (x, 1.0), {}, [x], repeats * 3, device) for _ in range(3))
+
+    def chain(k: int):
+        def fn(t):
+            for _ in range(k):
+                t = op(t)
+            return t
+
+        return fn
+
+    one, many = (
+        min(_time_once(chain(k), (x,), {}, [x], repeats * 3, device) for _ in range(3)) for k in (1, _CHAIN)
+    )
+    per_op = max((many - one) / (_CHAIN - 1), 0.0)
+    return per_op, max(one - per_op, 0.0)
+
+
+def _harness_overhead(repeats: int, device: torch.device) -> float:
+    """Seconds the timing harness adds around an op (the forward call, the loss, starting the backward
+    pass), without the op's own: a cheap op's dispatch is a real part of what every entry measures
+    (taken out with the harness, it left a tiny model's ops about 17 us each short on a CPU)."""
+    return _per_op_and_rest(lambda t: t * 1.0, repeats, device)[1]
+
+
+def _free_op_time(repeats: int, device: torch.device) -> float:
+    """Forward + backward seconds of a view: what an op that moves no data still costs."""
+    return _per_op_and_rest(lambda t: t.view(-1), repeats, device)[0]
 
 
 def _measure(
@@ -162,6 +201,8 @@ def profile_graph(
         )
     if not db.step_overhead_s:
         db.step_overhead_s = _harness_overhead(repeats, device)
+    if not db.free_op_s:
+        db.free_op_s = _free_op_time(repeats, device)
     for node in graph.nodes:
         rule = get_rule(node.op)
         bound = annotate_node(node, graph)

@@ -61,6 +61,8 @@ class PlannerSetup:
     step_overhead: float = 0.0
     """Seconds one device spends per micro-batch outside its ops (the backward pass's start, the
     module's call), measured by the profiler; 0 without a measured database."""
+    free_op: float = 0.0
+    """Seconds of an op that moves no data (a view), measured by the profiler; 0 without a database."""
     bucket_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20
     """Gradient bucket size of the data-parallel sync (each bucket pays the collective's latency)."""
 
@@ -136,6 +138,7 @@ def _ctx(setup: PlannerSetup, ways: int, pipelined: bool = False) -> CostContext
         traced_batch=setup.traced_batch,
         batch_scale=setup.batch_scale,
         measured=setup.measured,
+        free_op=setup.free_op,
         mesh=mesh_for(setup, ways, pipelined),
     )
 
