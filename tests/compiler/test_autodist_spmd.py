@@ -157,3 +157,40 @@ def test_unknown_key_and_bad_cluster_are_refused(zoo_graphs):
         parse_pas_config("autodist", {"mem_constrain": 10})
     with pytest.raises(ConfigError, match="shipped"):
         make_plan(zoo_graphs["mlp"][0], "autodist", _cfg("no_such_cluster"))
+
+
+def test_a_given_plan_is_costed_and_checked_without_a_solver(zoo_graphs):
+    """Re-costing the search's own choice (one choice per node) reproduces its time and memory with no
+    solver run, and a memory limit it exceeds is still an error."""
+    graph = zoo_graphs["llama"][0]
+    setup = planner_setup(graph, _cfg(TP_CLUSTER))
+    ctx = _ctx(setup, 2)
+    free = solve_spmd(graph, ctx, setup.memory)
+    assert free.stats["solver"] in ("cbc", "highs") and any(p.is_split for p in free.plans.values())
+    again = solve_spmd(graph, ctx, setup.memory, fixed=free.plans)
+    assert again.stats["solver"].startswith("none")
+    assert again.time == pytest.approx(free.time) and again.memory == pytest.approx(free.memory)
+    assert again.plans == free.plans
+    with pytest.raises(PlanError, match="mem_constraint"):
+        solve_spmd(graph, ctx, setup.memory, fixed=free.plans, mem_limit=free.memory * 0.99)
+
+
+def test_a_limit_below_every_nodes_leanest_choice_fails_before_solving(zoo_graphs, monkeypatch):
+    """Where even the leanest choice of every node exceeds the limit, the answer is known without a
+    program; just above that bound the solver still runs and decides."""
+    import pulp
+
+    graph = zoo_graphs["llama"][0]
+    setup = planner_setup(graph, _cfg("cpu_gloo"))
+    ctx = _ctx(setup, 2)
+    lean = solve_spmd(graph, ctx, setup.memory, mem_limit=solve_spmd(graph, ctx, setup.memory).memory * 0.7)
+    solves = []
+    real_solve = pulp.LpProblem.solve
+    monkeypatch.setattr(
+        pulp.LpProblem, "solve", lambda self, *a, **k: solves.append(1) or real_solve(self, *a, **k)
+    )
+    with pytest.raises(PlanError, match="mem_constraint"):
+        solve_spmd(graph, ctx, setup.memory, mem_limit=lean.memory * 0.5)
+    assert solves == []
+    assert solve_spmd(graph, ctx, setup.memory, mem_limit=lean.memory * 1.001).memory <= lean.memory * 1.001
+    assert solves == [1]

@@ -182,6 +182,12 @@ def _solve(
                 )
             nc.choices = keep
         table[name] = nc
+    if mem_limit is not None:  # even the leanest choice of every node over the limit: no program to solve
+        least = sum(
+            min(_weighted_memory(c, mem_weights) for c in table[n].choices) * folded.count[n] for n in reps
+        )
+        if least > mem_limit:
+            raise _no_partition(ctx, mem_limit, "Infeasible")
     edges = _edges(graph, names, folded, table)
     t0 = time.perf_counter()
     prob = pulp.LpProblem("spmd", pulp.LpMinimize)
@@ -190,13 +196,13 @@ def _solve(
         for k, n in enumerate(reps)
         for i in range(len(table[n].choices))
     }
-    objective = []
+    objective: dict[pulp.LpVariable, float] = defaultdict(float)  # variable -> seconds
     for n in reps:
         prob += pulp.lpSum(x[n, i] for i in range(len(table[n].choices))) == 1
         cnt = folded.count[n]
         for i, c in enumerate(table[n].choices):
             per_step = c.time * nmicros + c.sync
-            objective.append((per_step + (_EPS_SPLIT if c.plan.is_split else 0.0)) * cnt * x[n, i])
+            objective[x[n, i]] += (per_step + (_EPS_SPLIT if c.plan.is_split else 0.0)) * cnt
     outputs = set(graph.output_names())
     edge_cost: dict[tuple, list[list[float]]] = {}
     shared_terms: list[tuple] = []
@@ -221,7 +227,7 @@ def _solve(
                 if c.plan.is_split and isinstance(c.inputs[slot], Replicate):
                     prob += z >= x[v, b]
         cost = all_reduce(ctx.value_bytes(graph, ref), ctx.ways, ctx.tp_link)
-        objective.append(cost * max(edges[k] for k in keys) * nmicros * z)
+        objective[z] += cost * max(edges[k] for k in keys) * nmicros
         shared_terms.append((u, oi, keys, cost))
     for key, cnt in edges.items():
         u, oi, v, slot, ref = key
@@ -236,7 +242,7 @@ def _solve(
                 if math.isinf(cost):
                     prob += x[v, b] == 0
                 elif cost:
-                    objective.append(cost * cnt * nmicros * x[v, b])
+                    objective[x[v, b]] += cost * cnt * nmicros
             continue
         cu = table[u].choices
         mat = [
@@ -262,7 +268,7 @@ def _solve(
                     if math.isinf(cost):
                         prob += x[u, a] + x[v, b] <= 1
                     elif cost > 0:
-                        objective.append(cost * cnt * nmicros * (x[v, b] if len(cu) == 1 else x[u, a]))
+                        objective[x[v, b] if len(cu) == 1 else x[u, a]] += cost * cnt * nmicros
             continue
         # pair variables with both marginals fixed: a tight linearisation of x[u, a] * x[v, b]
         y = {}
@@ -273,7 +279,7 @@ def _solve(
                 y[a, b] = pulp.LpVariable(f"y_{nvars_y}", lowBound=0)
                 nvars_y += 1
                 if mat[a][b] > 0:
-                    objective.append(mat[a][b] * cnt * nmicros * y[a, b])
+                    objective[y[a, b]] += mat[a][b] * cnt * nmicros
         for a in range(len(cu)):
             prob += pulp.lpSum(y[a, b] for b in range(len(cv)) if (a, b) in y) == x[u, a]
         for b in range(len(cv)):
@@ -290,34 +296,31 @@ def _solve(
                     if math.isinf(cost):
                         prob += x[n, a] == 0
                     elif cost:
-                        objective.append(cost * nmicros * x[n, a])
-    prob += pulp.lpSum(objective) * _US  # microseconds: second-scale coefficients sit below solver tolerances
+                        objective[x[n, a]] += cost * nmicros
+    # one (variable, coefficient) list, not a sum of products: PuLP builds an expression per product
+    # (a quarter of the 70B search went there); microseconds: second-scale coefficients sit below
+    # solver tolerances
+    prob += pulp.LpAffineExpression([(v, c * _US) for v, c in objective.items()])
     if mem_limit is not None:
-        prob += (
-            pulp.lpSum(
-                _weighted_memory(c, mem_weights) * folded.count[n] * x[n, i]
-                for n in reps
-                for i, c in enumerate(table[n].choices)
-            )
-            <= mem_limit
-        )
+        used = [
+            (x[n, i], _weighted_memory(c, mem_weights) * folded.count[n])
+            for n in reps
+            for i, c in enumerate(table[n].choices)
+        ]
+        prob += pulp.LpAffineExpression(used) <= mem_limit
     build_s = time.perf_counter() - t0
-    lp_solver, solver_name = _solver(solver)
     t1 = time.perf_counter()
-    status = prob.solve(lp_solver)
+    if all(len(table[n].choices) == 1 for n in reps):  # a given plan: nothing to choose, only to check
+        for var in prob.variables():
+            var.varValue = 1.0
+        feasible = all(c.valid(1e-9) for c in prob.constraints.values())
+        status, solver_name = (1 if feasible else -1), "none (one choice per node)"
+    else:
+        lp_solver, solver_name = _solver(solver)
+        status = prob.solve(lp_solver)
     solve_s = time.perf_counter() - t1
     if pulp.LpStatus[status] != "Optimal":
-        limit = "no memory limit" if mem_limit is None else f"{mem_limit / 1e9:.2f} GB per device"
-        if mem_limit is not None and mem_limit <= 0:
-            limit = (
-                f"the memory left per device ({mem_limit / 1e9:.2f} GB once transient buffers and what a "
-                "pipeline stage keeps are set aside: the device limit is smaller than they are)"
-            )
-        raise PlanError(
-            f"autodist found no partition over {ctx.ways} devices within {limit} (solver status "
-            f"{pulp.LpStatus[status]}): raise pas_config['mem_constraint'], use more devices, recompute "
-            "(recompute_modules) or ZeRO (zero_stage)"
-        )
+        raise _no_partition(ctx, mem_limit, pulp.LpStatus[status])
     pick = {n: max(range(len(table[n].choices)), key=lambda i: x[n, i].value() or 0.0) for n in reps}
     for u, oi, keys, cost in shared_terms:  # charge the shared all-reduce to the producer
         chosen = [table[v].choices[pick[v]] for _, _, v, _, _ in keys]
@@ -345,6 +348,20 @@ def _solve(
             "solver": solver_name,
             "status": pulp.LpStatus[status],
         },
+    )
+
+
+def _no_partition(ctx: CostContext, mem_limit: float | None, status: str) -> PlanError:
+    limit = "no memory limit" if mem_limit is None else f"{mem_limit / 1e9:.2f} GB per device"
+    if mem_limit is not None and mem_limit <= 0:
+        limit = (
+            f"the memory left per device ({mem_limit / 1e9:.2f} GB once transient buffers and what a "
+            "pipeline stage keeps are set aside: the device limit is smaller than they are)"
+        )
+    return PlanError(
+        f"autodist found no partition over {ctx.ways} devices within {limit} (solver status "
+        f"{status}): raise pas_config['mem_constraint'], use more devices, recompute "
+        "(recompute_modules) or ZeRO (zero_stage)"
     )
 
 
