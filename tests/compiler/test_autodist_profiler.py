@@ -149,3 +149,14 @@ def test_free_ops_cost_their_measured_dispatch(zoo_graphs, tmp_path):
     charged = node_choices(graph, view, _ctx(setup, 1), MemoryModel(), set()).choices[0].compute
     assert charged == db.free_op_s
     assert node_choices(graph, view, _ctx(plain, 1), MemoryModel(), set()).choices[0].compute == 0.0
+
+
+def test_views_cost_nothing_on_an_asynchronous_device():
+    """Only where the host runs the ops (a CPU) is a view's dispatch a cost of the step; elsewhere the
+    host's work overlaps the kernels queued before it."""
+    import torch
+
+    from nnscaler.policies.autodist.profiler import _free_op_time
+
+    assert _free_op_time(1, torch.device("cpu")) > 0
+    assert _free_op_time(1, torch.device("meta")) == 0.0

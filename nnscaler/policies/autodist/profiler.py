@@ -141,13 +141,20 @@ def _per_op_and_rest(op, repeats: int, device: torch.device) -> tuple[float, flo
 
 def _harness_overhead(repeats: int, device: torch.device) -> float:
     """Seconds the timing harness adds around an op (the forward call, the loss, starting the backward
-    pass), without the op's own: a cheap op's dispatch is a real part of what every entry measures
-    (taken out with the harness, it left a tiny model's ops about 17 us each short on a CPU)."""
-    return _per_op_and_rest(lambda t: t * 1.0, repeats, device)[1]
+    pass). On a CPU, where the host runs the ops, without the op's own: a cheap op's dispatch is a
+    real part of what every entry measures (taken out with the harness, it left a tiny model's ops
+    about 17 us each short here). On an asynchronous device (CUDA) the host's dispatch of an op
+    overlaps the kernels queued before it, so the device's time is the measure: the harness is taken
+    out with the cheap op's dispatch, as before."""
+    per_op, rest = _per_op_and_rest(lambda t: t * 1.0, repeats, device)
+    return rest if device.type == "cpu" else rest + per_op
 
 
 def _free_op_time(repeats: int, device: torch.device) -> float:
-    """Forward + backward seconds of a view: what an op that moves no data still costs."""
+    """Forward + backward seconds of a view: what an op that moves no data still costs where the host
+    runs the ops (a CPU); 0 on an asynchronous device, where it launches no kernel."""
+    if device.type != "cpu":
+        return 0.0
     return _per_op_and_rest(lambda t: t.view(-1), repeats, device)[0]
 
 
