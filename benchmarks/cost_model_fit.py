@@ -9,13 +9,14 @@ within 25% (0.75 .. 1.25).
 
 The measurements are taken in rounds, each made of everything a prediction needs, right before the
 steps it predicts: `profile_graph` times every op of each model at the local shapes of its candidate
-splits (rank 0, one thread, as each of the two processes gets one core, while rank 1 waits), both
-processes fit the gloo link from timed all-reduces (`profile_link`), then every plan runs its steps.
-On a shared machine both the op times and gloo's latency move with the load for seconds at a time,
-so a database measured minutes earlier predicts a differently loaded machine; measured beside the
-steps, it predicts the machine the steps met. Each round's steps are predicted with that round's
-database; a row's ratio is the median over rounds, and every round's ratio is printed too, so the
-machine's own noise shows. Round 0's database also plans the `autodist` rows (`--db` keeps a copy).
+splits (rank 0, one thread, as each of the two processes gets one core, while rank 1 waits); then,
+for each plan, both processes fit the gloo link from timed all-reduces (`profile_link`) and run that
+plan's steps. On a shared machine op times drift with the load and gloo's latency moves within
+seconds, so figures measured earlier predict a differently loaded machine; measured beside the
+steps, they predict the machine the steps met. Each plan's steps in a round are predicted with that
+round's ops and the link fitted just before them; a row's ratio is the median over rounds, and every
+round's ratio is printed too, so the machine's own noise shows. Round 0's database (with the first
+plan's link) also plans the `autodist` rows (`--db` keeps a copy).
 
     python benchmarks/cost_model_fit.py [--models gpt,llama,bert,mlp] [--steps 20] [--rounds 21] [--db ops_cpu.json]
 """
@@ -105,15 +106,16 @@ def _step_worker(rank: int, tmp: str, cases: list, args: argparse.Namespace) -> 
         t0 = time.perf_counter()
         db = measure_ops(graphs) if rank == 0 else None
         profile_s = time.perf_counter() - t0
-        link = profile_link()
-        shared_db = Path(tmp, f"ops_and_link_{rnd}.json")
-        if rank == 0:
-            db.links["intra_node"] = {"bandwidth_gbs": link.bandwidth_gbs, "latency_us": link.latency_us}
-            db.save(shared_db)
-        dist.barrier()
         out = {}
         for name, policy, plan_ngpus in cases:
             key = f"{name}/{policy}"
+            # the link right before each plan's steps: gloo's latency moves within seconds
+            link = profile_link()
+            shared_db = Path(tmp, f"ops_and_link_{rnd}_{name}_{policy}.json")
+            if rank == 0:
+                db.links["intra_node"] = {"bandwidth_gbs": link.bandwidth_gbs, "latency_us": link.latency_us}
+                db.save(shared_db)
+            dist.barrier()
             if key not in modules:  # compiled in round 0 (autodist plans with its database)
                 model, make_batch = zoo.build(name, seed=0)
                 pm = nnscaler.parallelize(
@@ -174,16 +176,16 @@ def main() -> None:
         for rnd in range(args.rounds):
             measured = json.loads(Path(tmp, f"measured_{rnd}.json").read_text())
             profile_s.append(measured["profile_s"])
-            db_path = Path(tmp, f"ops_and_link_{rnd}.json")
-            db = ProfileDB.load(db_path)
-            links.append(db.links.get("intra_node"))
             pairs = {}
             for name, policy, n in cases:
+                db_path = Path(tmp, f"ops_and_link_{rnd}_{name}_{policy}.json")
+                db = ProfileDB.load(db_path)
+                links.append(db.links.get("intra_node"))
                 pred = predict(name, policy, n, Path(tmp, "gen", f"{name}_{policy}"), str(db_path))
                 pairs[(name, policy, n)] = (pred, measured["steps"][f"{name}/{policy}"])
             per_round.append(pairs)
         if args.db:
-            shutil.copyfile(Path(tmp, "ops_and_link_0.json"), args.db)
+            shutil.copyfile(next(Path(tmp).glob("ops_and_link_0_*.json")), args.db)
         for case in cases:
             name, policy, n = case
             preds = [r[case][0]["predicted_s"] for r in per_round]
@@ -205,7 +207,7 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "cost model (measured database) vs measured step time, 2 gloo processes",
-                "links_per_round": links,
+                "links_fitted": links,  # one per plan per round
                 "rounds": args.rounds,
                 "ops_measured": len(db.entries),
                 "profile_s_per_round": [round(t, 2) for t in profile_s],
