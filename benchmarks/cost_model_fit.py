@@ -15,8 +15,8 @@ plan's steps. On a shared machine op times drift with the load and gloo's latenc
 seconds, so figures measured earlier predict a differently loaded machine; measured beside the
 steps, they predict the machine the steps met. Each plan's steps in a round are predicted with that
 round's ops and the link fitted just before them; a row's ratio is the median over rounds, and every
-round's ratio is printed too, so the machine's own noise shows. Round 0's database (with the first
-plan's link) also plans the `autodist` rows (`--db` keeps a copy).
+round's ratio is printed too, so the machine's own noise shows. An `autodist` row is planned with
+round 0's database and the link fitted before it (`--db` keeps round 0's, with the first plan's link).
 
     python benchmarks/cost_model_fit.py [--models gpt,llama,bert,mlp] [--steps 20] [--rounds 21] [--db ops_cpu.json]
 """
@@ -185,7 +185,8 @@ def main() -> None:
                 pairs[(name, policy, n)] = (pred, measured["steps"][f"{name}/{policy}"])
             per_round.append(pairs)
         if args.db:
-            shutil.copyfile(next(Path(tmp).glob("ops_and_link_0_*.json")), args.db)
+            first = cases[0]
+            shutil.copyfile(Path(tmp, f"ops_and_link_0_{first[0]}_{first[1]}.json"), args.db)
         for case in cases:
             name, policy, n = case
             preds = [r[case][0]["predicted_s"] for r in per_round]
