@@ -9,7 +9,9 @@ within 25% (0.75 .. 1.25).
 
 The measurements are taken in rounds, each made of everything a prediction needs, right before the
 steps it predicts: `profile_graph` times every op of each model at the local shapes of its candidate
-splits (rank 0, one thread, as each of the two processes gets one core, while rank 1 waits); then,
+splits, on both processes at once (one thread each, as in the steps, whose compute keeps both cores
+busy: this VM's vCPUs slow each other down by up to 1.5x at times), the two databases merged
+(`ProfileDB.median_of`, each entry the mean of the ranks'); then,
 for each plan, both processes fit the gloo link from timed all-reduces (`profile_link`) and run that
 plan's steps. On a shared machine op times drift with the load and gloo's latency moves within
 seconds, so figures measured earlier predict a differently loaded machine; measured beside the
@@ -103,9 +105,16 @@ def _step_worker(rank: int, tmp: str, cases: list, args: argparse.Namespace) -> 
     for rnd in range(args.rounds):
         # what this round's steps will meet, measured right before them: the op times (rank 0; rank 1
         # waits) and the link (both ranks; gloo's latency on a shared machine moves with its load)
+        dist.barrier()
         t0 = time.perf_counter()
-        db = measure_ops(graphs) if rank == 0 else None
+        db = measure_ops(graphs)  # on both ranks at once: a step's compute keeps both cores busy
         profile_s = time.perf_counter() - t0
+        if rank != 0:
+            db.save(Path(tmp, f"ops_rank{rank}_{rnd}.json"))
+        dist.barrier()
+        if rank == 0:  # one database of every rank's op times
+            ranks = [db] + [ProfileDB.load(Path(tmp, f"ops_rank{r}_{rnd}.json")) for r in range(1, WORLD)]
+            db = ProfileDB.median_of(ranks)
         out = {}
         for name, policy, plan_ngpus in cases:
             key = f"{name}/{policy}"
