@@ -10,8 +10,8 @@ within 25% (0.75 .. 1.25).
 The measurements are taken in rounds, each made of everything a prediction needs, right before the
 steps it predicts: `profile_graph` times every op of each model at the local shapes of its candidate
 splits, on both processes at once (one thread each, as in the steps, whose compute keeps both cores
-busy: this VM's vCPUs slow each other down by up to 1.5x at times), the two databases merged
-(`ProfileDB.median_of`, each entry the mean of the ranks'); then,
+busy, and on this VM one vCPU is at times up to 1.6x slower than the other, for seconds), the two
+databases merged (`ProfileDB.merged`: each op's median over the ranks, here their mean); then,
 for each plan, both processes fit the gloo link from timed all-reduces (`profile_link`) and run that
 plan's steps. On a shared machine op times drift with the load and gloo's latency moves within
 seconds, so figures measured earlier predict a differently loaded machine; measured beside the
@@ -114,7 +114,7 @@ def _step_worker(rank: int, tmp: str, cases: list, args: argparse.Namespace) -> 
         dist.barrier()
         if rank == 0:  # one database of every rank's op times
             ranks = [db] + [ProfileDB.load(Path(tmp, f"ops_rank{r}_{rnd}.json")) for r in range(1, WORLD)]
-            db = ProfileDB.median_of(ranks)
+            db = ProfileDB.merged(ranks)  # each op's median over the ranks
         out = {}
         for name, policy, plan_ngpus in cases:
             key = f"{name}/{policy}"

@@ -162,26 +162,31 @@ def test_views_cost_nothing_on_an_asynchronous_device():
     assert _free_op_time(1, torch.device("meta")) == 0.0
 
 
-def test_databases_from_several_profiles_merge_to_their_medians(tmp_path):
-    """Profiles taken on several ranks or at several times merge figure by figure: each entry, link
-    figure and overhead is the median of the databases that have it (an entry one profile lacks is
-    not dragged down by it); devices must agree."""
+def test_databases_from_several_profiles_merge_figure_by_figure(tmp_path):
+    """Profiles taken at several times merge to each figure's median; profiles taken at once on the
+    ranks that train together merge to each figure's largest (a step waits for its slowest rank).
+    An entry one profile lacks is not dragged down by it; devices must agree."""
     import pytest
 
-    a = ProfileDB(
-        "cpu", {"op1": 1.0, "op2": 4.0}, {"intra_node": {"bandwidth_gbs": 1.0, "latency_us": 900.0}}, 1e-4
-    )
+    link = {"intra_node": {"bandwidth_gbs": 1.0, "latency_us": 900.0}}
+    a = ProfileDB("cpu", {"op1": 1.0, "op2": 4.0}, link, 1e-4)
     b = ProfileDB(
         "cpu", {"op1": 3.0}, {"intra_node": {"bandwidth_gbs": 2.0, "latency_us": 500.0}}, 3e-4, 7e-6
     )
     c = ProfileDB("cpu", {"op1": 2.0, "op2": 6.0}, {}, 2e-4, 9e-6)
-    merged = ProfileDB.median_of([a, b, c])
-    assert merged.entries == {"op1": 2.0, "op2": 5.0}
-    assert merged.links == {"intra_node": {"bandwidth_gbs": 1.5, "latency_us": 700.0}}
-    assert merged.step_overhead_s == pytest.approx(2e-4)
-    assert merged.free_op_s == pytest.approx(8e-6)  # a's 0 means "not measured"
-    assert ProfileDB.load(merged.save(tmp_path / "m.json")).entries == merged.entries
+    median = ProfileDB.merged([a, b, c])
+    assert median.entries == {"op1": 2.0, "op2": 5.0}
+    assert median.links == {"intra_node": {"bandwidth_gbs": 1.5, "latency_us": 700.0}}
+    assert median.step_overhead_s == pytest.approx(2e-4)
+    assert median.free_op_s == pytest.approx(8e-6)  # a's 0 means "not measured"
+    assert ProfileDB.load(median.save(tmp_path / "m.json")).entries == median.entries
+    slowest = ProfileDB.merged([a, b, c], how="max")
+    assert slowest.entries == {"op1": 3.0, "op2": 6.0}
+    assert slowest.links == {"intra_node": {"bandwidth_gbs": 2.0, "latency_us": 900.0}}
+    assert (slowest.step_overhead_s, slowest.free_op_s) == (3e-4, 9e-6)
     with pytest.raises(ValueError, match="different devices"):
-        ProfileDB.median_of([a, ProfileDB("cuda")])
+        ProfileDB.merged([a, ProfileDB("cuda")])
     with pytest.raises(ValueError, match="at least one"):
-        ProfileDB.median_of([])
+        ProfileDB.merged([])
+    with pytest.raises(ValueError, match="'median' or 'max'"):
+        ProfileDB.merged([a], how="mean")

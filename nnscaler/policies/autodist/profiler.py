@@ -62,33 +62,39 @@ class ProfileDB:
         return path
 
     @classmethod
-    def median_of(cls, dbs: list[ProfileDB]) -> ProfileDB:
-        """One database from several profiles of the same device taken at different times: each
-        entry, overhead and link figure is the median of the databases that have it. On a shared
-        machine whose speed moves from one second to the next, one profile catches whatever the
-        machine was doing in its second; the median of profiles spread over a run describes the run."""
+    def merged(cls, dbs: list[ProfileDB], how: str = "median") -> ProfileDB:
+        """One database from several profiles of one kind of device: each entry, link figure and
+        overhead is the median (`how='median'`: profiles taken at different times) or the largest
+        (`how='max'`: profiles taken at once on the ranks that will train together, whose every
+        collective waits for the slowest of them) of the databases that have it.
+
+        On a shared CPU machine one core is at times much slower than the other (here: up to 1.6x,
+        for seconds): the ranks' median predicts steps that are paid at the slower one's pace."""
+        if how not in ("median", "max"):
+            raise ValueError(f"ProfileDB.merged(how={how!r}): use 'median' or 'max'")
         if not dbs:
-            raise ValueError("ProfileDB.median_of needs at least one database")
+            raise ValueError("ProfileDB.merged needs at least one database")
         devices = {db.device for db in dbs}
         if len(devices) > 1:
-            raise ValueError(f"ProfileDB.median_of over databases of different devices {sorted(devices)}")
+            raise ValueError(f"ProfileDB.merged over databases of different devices {sorted(devices)}")
+        pick = statistics.median if how == "median" else max
 
-        def med(values: list[float]) -> float:
-            return statistics.median(values) if values else 0.0
+        def of(values: list[float]) -> float:
+            return pick(values) if values else 0.0
 
         keys = sorted({k for db in dbs for k in db.entries})
-        entries = {k: med([db.entries[k] for db in dbs if k in db.entries]) for k in keys}
+        entries = {k: of([db.entries[k] for db in dbs if k in db.entries]) for k in keys}
         links: dict[str, dict[str, float]] = {}
         for name in sorted({n for db in dbs for n in db.links}):
             specs = [db.links[name] for db in dbs if name in db.links]
             fields = sorted({f for spec in specs for f in spec})
-            links[name] = {f: med([spec[f] for spec in specs if f in spec]) for f in fields}
+            links[name] = {f: of([spec[f] for spec in specs if f in spec]) for f in fields}
         return cls(
             dbs[0].device,
             entries,
             links,
-            med([db.step_overhead_s for db in dbs if db.step_overhead_s]),
-            med([db.free_op_s for db in dbs if db.free_op_s]),
+            of([db.step_overhead_s for db in dbs if db.step_overhead_s]),
+            of([db.free_op_s for db in dbs if db.free_op_s]),
         )
 
     @classmethod
