@@ -8,17 +8,18 @@ the cost model and is not timed) beside the measured median, and their ratio. Ta
 within 25% (0.75 .. 1.25).
 
 The measurements are taken in rounds, each made of everything a prediction needs, right before the
-steps it predicts: `profile_graph` times every op of each model at the local shapes of its candidate
-splits, on both processes at once (one thread each, as in the steps, whose compute keeps both cores
-busy, and on this VM one vCPU is at times up to 1.6x slower than the other, for seconds), the two
-databases merged (`ProfileDB.merged`: each op's median over the ranks, here their mean); then,
-for each plan, both processes fit the gloo link from timed all-reduces (`profile_link`) and run that
-plan's steps. On a shared machine op times drift with the load and gloo's latency moves within
-seconds, so figures measured earlier predict a differently loaded machine; measured beside the
-steps, they predict the machine the steps met. Each plan's steps in a round are predicted with that
-round's ops and the link fitted just before them; a row's ratio is the median over rounds, and every
-round's ratio is printed too, so the machine's own noise shows. An `autodist` row is planned with
-round 0's database and the link fitted before it (`--db` keeps round 0's, with the first plan's link).
+steps it predicts: for each model, `profile_graph` times every op at the local shapes of its
+candidate splits, on both processes at once (one thread each, as in the steps, whose compute keeps
+both cores busy, and on this VM one vCPU is at times up to 1.6x slower than the other, for seconds),
+the two databases merged (`ProfileDB.merged`: each op's median over the ranks, here their mean);
+then, for each of that model's plans, both processes fit the gloo link from timed all-reduces
+(`profile_link`) and run that plan's steps. On a shared machine op times drift with the load and
+gloo's latency moves within seconds, so figures measured earlier predict a differently loaded
+machine; measured beside the steps, they predict the machine the steps met. Each plan's steps in a
+round are predicted with that round's ops and the link fitted just before them; a row's ratio is
+the median over rounds, and every round's ratio is printed too, so the machine's own noise shows.
+An `autodist` row is planned with round 0's database and the link fitted before it (`--db` keeps
+round 0's op times of every model, with the first plan's link).
 
     python benchmarks/cost_model_fit.py [--models gpt,llama,bert,mlp] [--steps 20] [--rounds 21] [--db ops_cpu.json]
 """
@@ -28,11 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -100,24 +101,28 @@ def _step_worker(rank: int, tmp: str, cases: list, args: argparse.Namespace) -> 
     import nnscaler
 
     nnscaler.init()  # the group is up; this arranges the orderly teardown at exit
-    graphs = [graph_from_json(Path(tmp, f"graph_{m}.json").read_text()) for m in args.models.split(",")]
+    graphs = {m: graph_from_json(Path(tmp, f"graph_{m}.json").read_text()) for m in args.models.split(",")}
     modules = {}
     for rnd in range(args.rounds):
-        # what this round's steps will meet, measured right before them: the op times (rank 0; rank 1
-        # waits) and the link (both ranks; gloo's latency on a shared machine moves with its load)
-        dist.barrier()
-        t0 = time.perf_counter()
-        db = measure_ops(graphs)  # on both ranks at once: a step's compute keeps both cores busy
-        profile_s = time.perf_counter() - t0
-        if rank != 0:
-            db.save(Path(tmp, f"ops_rank{rank}_{rnd}.json"))
-        dist.barrier()
-        if rank == 0:  # one database of every rank's op times
-            ranks = [db] + [ProfileDB.load(Path(tmp, f"ops_rank{r}_{rnd}.json")) for r in range(1, WORLD)]
-            db = ProfileDB.merged(ranks)  # each op's median over the ranks
         out = {}
+        profile_s = 0.0
         for name, policy, plan_ngpus in cases:
             key = f"{name}/{policy}"
+            if policy == PLANS[0][0]:
+                # the model's op times, measured right before its plans' steps, on both ranks at once
+                # (a step's compute keeps both cores busy)
+                dist.barrier()
+                t0 = time.perf_counter()
+                db = measure_ops([graphs[name]])
+                profile_s += time.perf_counter() - t0
+                if rank != 0:
+                    db.save(Path(tmp, f"ops_rank{rank}_{rnd}_{name}.json"))
+                dist.barrier()
+                if rank == 0:  # one database of every rank's op times: each op's median over the ranks
+                    others = [
+                        ProfileDB.load(Path(tmp, f"ops_rank{r}_{rnd}_{name}.json")) for r in range(1, WORLD)
+                    ]
+                    db = ProfileDB.merged([db, *others])
             # the link right before each plan's steps: gloo's latency moves within seconds
             link = profile_link()
             shared_db = Path(tmp, f"ops_and_link_{rnd}_{name}_{policy}.json")
@@ -171,7 +176,7 @@ def main() -> None:
         default=21,
         help="op profile + link fit + steps, repeated; a row's ratio is the median",
     )
-    ap.add_argument("--db", default=None, help="keep round 0's measured database (ops and link) here")
+    ap.add_argument("--db", default=None, help="keep round 0's database (every model's ops, a link) here")
     args = ap.parse_args()
     models = args.models.split(",")
     rows = []
@@ -193,9 +198,9 @@ def main() -> None:
                 pred = predict(name, policy, n, Path(tmp, "gen", f"{name}_{policy}"), str(db_path))
                 pairs[(name, policy, n)] = (pred, measured["steps"][f"{name}/{policy}"])
             per_round.append(pairs)
-        if args.db:
-            first = cases[0]
-            shutil.copyfile(Path(tmp, f"ops_and_link_0_{first[0]}_{first[1]}.json"), args.db)
+        if args.db:  # round 0's op times of every model, with the first plan's link
+            first = [ProfileDB.load(Path(tmp, f"ops_and_link_0_{m}_{PLANS[0][0]}.json")) for m in models]
+            ProfileDB.merged(first[:1] + [replace(db, links={}) for db in first[1:]]).save(args.db)
         for case in cases:
             name, policy, n = case
             preds = [r[case][0]["predicted_s"] for r in per_round]
