@@ -33,7 +33,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -200,7 +199,9 @@ def main() -> None:
             per_round.append(pairs)
         if args.db:  # round 0's op times of every model, with the first plan's link
             first = [ProfileDB.load(Path(tmp, f"ops_and_link_0_{m}_{PLANS[0][0]}.json")) for m in models]
-            ProfileDB.merged(first[:1] + [replace(db, links={}) for db in first[1:]]).save(args.db)
+            kept = ProfileDB.merged(first)
+            kept.links = first[0].links
+            kept.save(args.db)
         for case in cases:
             name, policy, n = case
             preds = [r[case][0]["predicted_s"] for r in per_round]

@@ -63,13 +63,10 @@ class ProfileDB:
 
     @classmethod
     def merged(cls, dbs: list[ProfileDB], how: str = "median") -> ProfileDB:
-        """One database from several profiles of one kind of device: each entry, link figure and
-        overhead is the median (`how='median'`: profiles taken at different times) or the largest
-        (`how='max'`: profiles taken at once on the ranks that will train together, whose every
-        collective waits for the slowest of them) of the databases that have it.
-
-        On a shared CPU machine one core is at times much slower than the other (here: up to 1.6x,
-        for seconds): the ranks' median predicts steps that are paid at the slower one's pace."""
+        """One database from several profiles of one kind of device (several ranks profiling at
+        once, or one device at several times): each entry, link figure and overhead is the median
+        (`how='median'`) or the largest (`how='max'`: the slowest rank's pace, for machines whose
+        cores differ steadily) of the databases that have it."""
         if how not in ("median", "max"):
             raise ValueError(f"ProfileDB.merged(how={how!r}): use 'median' or 'max'")
         if not dbs:
