@@ -40,7 +40,7 @@ def capture(
     # custom autograd Functions keep their backward; the program follows train()/eval()
     with opaque_autograd_functions():
         export = lambda: export_module(module, kwargs, dynamic)  # noqa: E731
-        ep = trace_both_modes(module, export) if both_modes else export()  # keeps modes as given
+        ep = trace_both_modes(module, export, kwargs) if both_modes else export()  # keeps modes as given
     graph = name_autograd_functions(convert_exported(ep, module, forward_args))
     graph.untraced_args = untraced_defaults(module, forward_args)
     graph.static_shapes = static_shapes

@@ -23,6 +23,7 @@ import torch
 import torch.fx
 
 from nnscaler.errors import TraceError
+from nnscaler.graph.capture.mode_probe import modes_trace_alike
 from nnscaler.graph.capture.mode_reads import reads_training
 from nnscaler.graph.ir import ModeValue
 
@@ -228,11 +229,16 @@ def mark_mode_arguments(
     return differ
 
 
-def trace_both_modes(module: torch.nn.Module, export) -> torch.export.ExportedProgram:
+def trace_both_modes(
+    module: torch.nn.Module, export, kwargs: dict[str, Any] | None = None
+) -> torch.export.ExportedProgram:
     """`export()` the module in its own mode and in the other one; return a program that follows the
-    mode at run time where possible (see the module docstring), else the own-mode program."""
+    mode at run time where possible (see the module docstring), else the own-mode program. With the
+    forward `kwargs`, a cheap run in each mode first (mode_probe) can show the traces would be equal."""
     if not reads_training(module):
         return export()  # no code it runs reads the mode: both traces would be equal
+    if kwargs is not None and modes_trace_alike(module, kwargs):
+        return export()  # it reads the mode but calls the same ops on the same values in both
     was_training = module.training
     modes = {m: m.training for m in module.modules()}  # submodules may differ (a frozen batch norm)
     own = export()
