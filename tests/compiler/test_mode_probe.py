@@ -4,6 +4,8 @@ values keeps it."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -94,12 +96,44 @@ class ExportOnlyBranch(nn.Module):
         return h.sum()
 
 
+class AutocastInTraining(nn.Module):
+    """The same calls in both modes; only the dtypes they return differ."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.training):
+            return self.fc(x).sum()
+
+
+class NoGradInTraining(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad() if self.training else contextlib.nullcontext():
+            h = self.fc(x)
+        return (h * x).sum()
+
+
 def _x():
     return {"x": torch.randn(3, 4)}
 
 
 @pytest.mark.parametrize(
-    "model", [ParamByMode(), AttributeByMode(), ReturnByMode(), ScaleByMode(), ExportOnlyBranch()]
+    "model",
+    [
+        ParamByMode(),
+        AttributeByMode(),
+        ReturnByMode(),
+        ScaleByMode(),
+        ExportOnlyBranch(),
+        AutocastInTraining(),
+        NoGradInTraining(),
+    ],
 )
 def test_any_difference_between_the_modes_keeps_the_second_trace(model):
     assert reads_training(model)

@@ -7,8 +7,9 @@ models read it and still choose alike in both modes (transformers' attention pas
 config's dropout is 0). For those the second trace of `modes.trace_both_modes` repeats the first at
 the same cost (11 s of a 32-layer Llama-3-8B's 23 s capture here). This probe runs forward on fake
 tensors (no data, no memory), once in each mode, under a TorchFunctionMode that logs every torch call:
-the function, its non-tensor arguments, and each tensor argument by where it came from (a parameter
-or buffer by name, an input by name, or output i of call n). Equal logs and equal returned values
+the function, its non-tensor arguments, each tensor argument by where it came from (a parameter or
+buffer by name, an input by name, or output i of call n), and the dtype, shape and requires_grad of
+what it returned. Equal logs and equal returned values
 mean the two traces call the same ops on the same values, so one trace serves both modes.
 
 It errs towards "differ": any failure to run, any argument it cannot name (an object is named by its
@@ -69,11 +70,18 @@ class _CallLog(TorchFunctionMode):
         kwargs = kwargs or {}
         call = (func, self.name(args), self.name(kwargs))
         index = len(self.calls)
-        if self.expected is not None and (index >= len(self.expected) or self.expected[index] != call):
+        if self.expected is not None and (index >= len(self.expected) or self.expected[index][0] != call):
             raise _Parted
-        self.calls.append(call)
         out = func(*args, **kwargs)
-        for i, leaf in enumerate(pytree.tree_leaves(out)):
+        leaves = pytree.tree_leaves(out)
+        # what came out, too: an autocast region entered in one mode only changes no call, only dtypes
+        made = tuple(
+            (t.dtype, tuple(t.shape), t.requires_grad) for t in leaves if isinstance(t, torch.Tensor)
+        )
+        if self.expected is not None and self.expected[index][1] != made:
+            raise _Parted
+        self.calls.append((call, made))
+        for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor) and id(leaf) not in self.names:
                 self.names[id(leaf)] = ("output", index, i)
                 self.alive.append(leaf)
