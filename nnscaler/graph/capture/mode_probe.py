@@ -9,8 +9,8 @@ the same cost (11 s of a 32-layer Llama-3-8B's 23 s capture here). This probe ru
 tensors (no data, no memory), once in each mode, under a TorchFunctionMode that logs every torch call:
 the function, its non-tensor arguments, each tensor argument by where it came from (a parameter or
 buffer by name, an input by name, or output i of call n), and the dtype, shape and requires_grad of
-what it returned. Equal logs and equal returned values
-mean the two traces call the same ops on the same values, so one trace serves both modes.
+what it returned. Equal logs and equal returned values mean the two traces call the same ops on the
+same values, so one trace serves both modes.
 
 It errs towards "differ": any failure to run, any argument it cannot name (an object is named by its
 repr, an unknown tensor by its identity, which differs between runs unless it is the same object)
@@ -35,7 +35,7 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.
 
 
 class _Parted(Exception):
-    """The second run called something the first did not."""
+    """The second run called something the first did not, or got something else back."""
 
 
 class _CallLog(TorchFunctionMode):
