@@ -169,7 +169,7 @@ class _Converter:
             self.by_target[target] = name
         aliases = tuple(n for n in self.tied.get(target, [target]) if n != target) if kind != "input" else ()
         if kind == "param":
-            meta = dataclasses.replace(meta, requires_grad=True) if meta else meta
+            meta = meta and dataclasses.replace(meta, requires_grad=meta.requires_grad and meta.is_float)
         persistent = target not in self.graph.constants and not (
             kind == "buffer"
             and (
@@ -222,7 +222,7 @@ class _Converter:
         if op in _DROPPED_OPS:
             return
         args, kwargs = self._arg(fx_node.args), self._arg(fx_node.kwargs)
-        op, mutated = self._functionalize(target, op, args)
+        self._check_not_writing_activation(target, args, fx_node)
         source = _source_of(fx_node)
         mpath, mcls = _module_of(fx_node)
         for path, cls in (fx_node.meta.get("nn_module_stack") or {}).values():
@@ -248,11 +248,6 @@ class _Converter:
             )
             outputs.append(node_name)
             self.env[fx_node.name] = Ref(node_name)
-        if mutated is not None and outputs:
-            # later readers of the mutated activation read the functional result instead
-            for key, item in list(self.env.items()):
-                if item == mutated:
-                    self.env[key] = Ref(outputs[0])
         self.graph.nodes.append(
             Node(
                 node_name,
@@ -284,27 +279,20 @@ class _Converter:
             why += f" ({str(message).splitlines()[0][:120]})"
         self.graph.shape_rules.append(ShapeRule(cond.code, why))
 
-    def _functionalize(self, target: Any, op: str, args: Any) -> tuple[str, Ref | None]:
-        """An in-place aten op on an activation becomes its out-of-place twin (x.div_(y) -> x / y).
-
-        In-place updates of parameters, buffers and inputs stay as they are (e.g. BatchNorm's
-        num_batches_tracked): they run on every device alike. Views taken of the activation before
-        the update would not see it; torch.export's training IR rarely produces that pattern.
-        """
-        if not isinstance(target, torch._ops.OpOverload) or not args or not isinstance(args[0], Ref):
-            return op, None
-        first = target._schema.arguments[0] if target._schema.arguments else None
-        if first is None or first.alias_info is None or not first.alias_info.is_write:
-            return op, None
-        if self.graph.values[args[0].name].kind != "activation":
-            return op, None
-        packet = target._schema.name.split("::")[-1]
-        if not packet.endswith("_"):
-            return op, None
-        functional = getattr(getattr(torch.ops.aten, packet[:-1], None), target._overloadname, None)
-        if functional is None:
-            return op, None
-        return str(functional), args[0]
+    def _check_not_writing_activation(self, target: Any, args: Any, fx_node: torch.fx.Node) -> None:
+        """Writes into activations were made functional by torch (capture/functionalize.py); an
+        in-place op reaching here may only update a parameter, buffer or input."""
+        if not isinstance(target, torch._ops.OpOverload):
+            return
+        for i, arg in enumerate(target._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write or i >= len(args):
+                continue
+            ref = args[i]
+            if isinstance(ref, Ref) and self.graph.values[ref.name].kind == "activation":
+                raise TraceError(
+                    f"{target} at {_source_of(fx_node) or 'forward'} writes into a computed tensor, which "
+                    "capture should have made functional: please report this with the model's code"
+                )
 
     def _inline(self, fx_node: torch.fx.Node, gm: torch.fx.GraphModule, enabled: bool) -> None:
         sub = getattr(gm, fx_node.args[1].target)
