@@ -10,6 +10,7 @@ from torch.utils import _pytree as pytree
 from nnscaler.graph.capture.autograd_fn import name_autograd_functions, opaque_autograd_functions
 from nnscaler.graph.capture.convert import convert_exported
 from nnscaler.graph.capture.export import check_forward_args, export_module, untraced_defaults
+from nnscaler.graph.capture.functionalize import functionalize
 from nnscaler.graph.capture.modes import trace_both_modes
 from nnscaler.graph.capture.symbolic import dynamic_shapes_spec
 from nnscaler.graph.ir import Graph
@@ -39,7 +40,8 @@ def capture(
     dynamic = None if static_shapes else dynamic_shapes_spec(kwargs)
     # custom autograd Functions keep their backward; the program follows train()/eval()
     with opaque_autograd_functions():
-        export = lambda: export_module(module, kwargs, dynamic)  # noqa: E731
+        # writes into views become ops on their base (torch's functionalization), in each mode
+        export = lambda: functionalize(export_module(module, kwargs, dynamic))  # noqa: E731
         ep = trace_both_modes(module, export, kwargs) if both_modes else export()  # keeps modes as given
     graph = name_autograd_functions(convert_exported(ep, module, forward_args))
     graph.untraced_args = untraced_defaults(module, forward_args)
