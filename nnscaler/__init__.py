@@ -1,7 +1,7 @@
 """nnscaler: a source-to-source parallelizing compiler for PyTorch (public names follow nnScaler v0.8)."""
 
 from nnscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
-from nnscaler.errors import CodegenError, ConfigError, PartitionError, PlanError, TraceError
+from nnscaler.errors import CodegenError, CompileError, ConfigError, PartitionError, PlanError, TraceError
 from nnscaler.graph.capture.markers import anchor, constant_folding, fold_constant, no_constant_folding
 from nnscaler.graph.ops import register_op
 from nnscaler.logs import configure_from_env as _configure_logging
@@ -49,5 +49,6 @@ __all__ = [
     "PlanError",
     "PartitionError",
     "CodegenError",
+    "CompileError",
     "ConfigError",
 ]

@@ -9,6 +9,7 @@ __all__ = [
     "PlanError",
     "PartitionError",
     "CodegenError",
+    "CompileError",
     "CheckpointError",
 ]
 
@@ -35,6 +36,11 @@ class PartitionError(NnScalerError):
 
 class CodegenError(NnScalerError):
     """Generated code could not be rendered or did not parse."""
+
+
+class CompileError(NnScalerError):
+    """The compiled program does not compute what the model computes (`parallelize(..., verify=...)`);
+    names the first module, graph node and source line where they part."""
 
 
 class CheckpointError(NnScalerError, ValueError):

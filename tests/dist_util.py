@@ -81,6 +81,16 @@ FORKSERVER_PRELOAD = [
     "transformers.models.mixtral.modeling_mixtral",
     "transformers.models.bert.modeling_bert",
     "transformers.models.vit.modeling_vit",
+    # the families of tests/zoo_families.py and the fine-tunes
+    "transformers.models.t5.modeling_t5",
+    "transformers.models.bart.modeling_bart",
+    "transformers.models.whisper.modeling_whisper",
+    "transformers.models.deepseek_v3.modeling_deepseek_v3",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe",
+    "transformers.models.mamba.modeling_mamba",
+    "transformers.models.modernbert.modeling_modernbert",
+    "diffusers",
+    "peft",
 ]
 """Third-party modules the fork server imports once for all children. Neither nnscaler nor the tests
 are in it: those are imported by each child, in the parent's environment (NNSCALER_LOG, for one, is

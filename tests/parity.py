@@ -16,6 +16,11 @@ The parent then trains the single-device model on the concatenation of all repli
   across replicas, so this is the same optimisation problem);
 - every merged parameter (by its original name) equals the reference parameter.
 
+A builder may freeze parameters (`requires_grad=False`, e.g. tests/zoo_finetune.py): both sides
+then train only the others, and each rank also reports which parameters are frozen, whether any of
+them got a gradient, which parameters the gradient reducer holds and which the optimizer keeps
+state for (`frozen`, `frozen_with_grad`, `reduced`, `optimizer_names`, `optimizer_state_names`).
+
 Only nnscaler's public API is used here: it is the contract between the harness and the compiler.
 """
 
@@ -139,6 +144,7 @@ def train_parallel(
     nnscaler.init()
 
     model, make_batch = zoo.build(model_name, seed=SEED)
+    full_numel = sum(p.numel() for p in model.parameters())
     dummy = make_batch(DUMMY_SEED, batch_size)
     cfg = ComputeConfig(plan_ngpus, world_size, **(config_kwargs or {}))
     pm = parallelize(model, dummy, policy, cfg, gen_savedir=gen_savedir, module_dtype=module_dtype)
@@ -148,6 +154,8 @@ def train_parallel(
     device = _module_device(pm)
     replica = rank // plan_ngpus
     losses = []
+    frozen = {n: p for n, p in _param_names(pm).items() if not p.requires_grad}
+    frozen_with_grad: set[str] = set()
     launched_in_backward: list[int] = []
     """End-to-end mode: per train_step, the buckets whose reduction backward launched (overlap)."""
     if nmicros is not None:
@@ -166,6 +174,7 @@ def train_parallel(
                 for m in range(nmicros)
             ]
             step_losses = pm.train_step(micro)
+            frozen_with_grad.update(_with_grad(frozen))
             opt.step()
             opt.zero_grad()
             losses.extend(float(x) for x in step_losses)
@@ -173,10 +182,16 @@ def train_parallel(
         batch = _to(_step_batch(make_batch, _batch_seed(step, replica), batch_size, step, shapes), device)
         loss = zoo.extract_loss(pm(**batch))
         loss.backward()
+        frozen_with_grad.update(_with_grad(frozen))
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach().float().item())
 
+    red = pm.reducer
+    names = _param_names(pm)
+    by_id = {id(p): n for n, p in names.items()}
+    opt_sd = opt.state_dict()
+    opt_names = [n for g in opt_sd["param_groups"] for n in g["param_names"]]
     state = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in pm.state_dict().items()}
     opt_state = _cpu_tree(opt.state_dict()) if merge_optimizer else None
     states: list[Any] = [None] * world_size
@@ -193,10 +208,27 @@ def train_parallel(
         "losses": losses,
         "merged": merged,
         "launched_in_backward": launched_in_backward,
+        "frozen": sorted(frozen),
+        "frozen_with_grad": sorted(frozen_with_grad),
+        "reduced": sorted(by_id[id(p)] for p in red.params) if red is not None else [],
+        "optimizer_names": opt_names,
+        "local_param_fraction": sum(p.numel() for p in pm.parameters()) / max(full_numel, 1),
+        "optimizer_state_names": sorted(opt_names[int(i)] for i, st in opt_sd["state"].items() if st),
     }
     if merge_optimizer:
         result["merged_optimizer"] = merged_opt
     return result
+
+
+def _param_names(pm: Any) -> dict[str, torch.nn.Parameter]:
+    """Original (single-device) name -> this rank's registered parameter."""
+    originals = pm.dist_param_map
+    return {originals[local]: p for local, p in pm.named_parameters()}
+
+
+def _with_grad(params: dict[str, torch.nn.Parameter]) -> list[str]:
+    """Names of `params` holding a gradient (`.grad` or a reducer's `.main_grad`)."""
+    return [n for n, p in params.items() if p.grad is not None or getattr(p, "main_grad", None) is not None]
 
 
 def _cpu_tree(value: Any) -> Any:
@@ -242,7 +274,7 @@ def train_reference(
     if module_dtype is not None:
         model = model.to(module_dtype)
     opt_cls, opt_kwargs = _make_optimizer(optimizer, optimizer_kwargs or {})
-    opt = opt_cls(model.parameters(), **opt_kwargs)
+    opt = opt_cls([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
     losses = []
     for step in range(steps):
         for m in range(nmicros or 1):
@@ -427,10 +459,17 @@ class ParityCase:
     plan_ngpus: int
     config_kwargs: dict[str, Any] = field(default_factory=dict)
     nmicros: int | None = None
+    optimizer: str = "adamw"
+    """An entry of OPTIMIZERS; its tolerance applies (AdamW's parameter tolerance is ADAMW_PARAM_ATOL)."""
+    optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
+    module_dtype: torch.dtype | None = None
+    """Cast both models to it before training (parallelize's `module_dtype`)."""
 
     @property
     def label(self) -> str:
-        return f"{self.model_name} / {self.policy} / plan_ngpus={self.plan_ngpus} {self.config_kwargs}"
+        extra = f" {self.optimizer}" if self.optimizer != "adamw" else ""
+        extra += f" {self.module_dtype}" if self.module_dtype is not None else ""
+        return f"{self.model_name} / {self.policy} / plan_ngpus={self.plan_ngpus} {self.config_kwargs}{extra}"
 
 
 def _train_cases(rank: int, world_size: int, cases: list[ParityCase], steps: int, root: str) -> list:
@@ -448,7 +487,10 @@ def _train_cases(rank: int, world_size: int, cases: list[ParityCase], steps: int
                     steps,
                     4,
                     f"{root}/case{k}",
+                    optimizer=case.optimizer,
+                    optimizer_kwargs=case.optimizer_kwargs,
                     config_kwargs=case.config_kwargs,
+                    module_dtype=case.module_dtype,
                     nmicros=case.nmicros,
                 )
             )
@@ -465,19 +507,26 @@ def run_parity_many(
     steps: int = 2,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> list[list[dict[str, Any]]]:
-    """`run_parity` for several cases on the same `runtime_ngpus` processes, started once (AdamW,
-    batch 4, the default tolerances). Every case is compared; the assertion lists each one that
-    differs. Returns the per-rank results of each case, in order."""
+    """`run_parity` for several cases on the same `runtime_ngpus` processes, started once (batch 4,
+    each case's optimizer, AdamW by default, with its default tolerances). Every case is compared;
+    the assertion lists each one that differs. Returns the per-rank results of each case, in order."""
     root = Path(tmp_path) / "gen"
     per_rank = spawn(_train_cases, runtime_ngpus, tmp_path, cases, steps, str(root), timeout=timeout)
-    atol = OPTIMIZERS["adamw"][2]
     failures, results = [], []
     for k, case in enumerate(cases):
         case_results = [r[k] for r in per_rank]
         results.append(case_results)
         ref_losses, ref_model = train_reference(
-            case.model_name, runtime_ngpus // case.plan_ngpus, steps, 4, nmicros=case.nmicros
+            case.model_name,
+            runtime_ngpus // case.plan_ngpus,
+            steps,
+            4,
+            case.optimizer,
+            case.optimizer_kwargs,
+            case.module_dtype,
+            nmicros=case.nmicros,
         )
+        atol = OPTIMIZERS[case.optimizer][2]
         try:
             compare(
                 case_results,
@@ -486,7 +535,7 @@ def run_parity_many(
                 rtol=1e-5,
                 atol=atol,
                 label=case.label,
-                param_atol=ADAMW_PARAM_ATOL,
+                param_atol=max(atol, ADAMW_PARAM_ATOL) if case.optimizer == "adamw" else atol,
             )
         except AssertionError as exc:
             failures.append(str(exc))

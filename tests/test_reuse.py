@@ -5,6 +5,7 @@ saved graph against the model (issue 9)."""
 
 from __future__ import annotations
 
+import collections
 import importlib
 import os
 import shutil
@@ -235,17 +236,23 @@ def test_reuse_graph_with_another_model_raises(pkg, tmp_path):
 
 def test_source_digest_is_the_same_in_every_process():
     """A set literal in a membership test compiles to a frozenset constant whose order follows the
-    string hash seed: the digest must not (reuse='match' would refuse code compiled by another process)."""
+    string hash seed: the digest must not (reuse='match' would refuse code compiled by another process).
+    Nor may the attribute values: no value that follows the hash seed or an address (transformers'
+    GenerationConfig hashes itself) may enter."""
     import subprocess
     import sys
 
     code = (
+        "import json\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "from nnscaler.parallel import sources\n"
+        "from nnscaler.parallel.attributes import attribute_values\n"
         "def f(x):\n"
         "    return x in {'alpha', 'beta', 'gamma', 'delta', 'epsilon', 'zeta'}\n"
         "print(sources.digest(f))\n"
+        f"print(json.dumps(attribute_values(LlamaForCausalLM(LlamaConfig(**{TINY_LLAMA!r})))))\n"
     )
-    digests = {
+    outputs = {
         subprocess.run(
             [sys.executable, "-c", code],
             env={**os.environ, "PYTHONHASHSEED": str(seed)},
@@ -256,4 +263,152 @@ def test_source_digest_is_the_same_in_every_process():
         ).stdout.strip()
         for seed in (1, 2, 3)
     }
-    assert len(digests) == 1, digests
+    assert len(outputs) == 1, outputs
+    assert "rms_norm_eps" in outputs.pop()
+
+
+# ---- attribute values (a constructor's scalars, a transformers config) ----------------------------
+
+
+class Scale(torch.nn.Module):
+    def __init__(self, dim: int, scale: float):
+        super().__init__()
+        self.fc = torch.nn.Linear(dim, dim)
+        self.scale = scale
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+class Scaled(torch.nn.Module):
+    """Its code and parameter shapes do not depend on `scale`; the traced program does."""
+
+    def __init__(self, scale: float = 2.0, helper: object = None):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Scale(8, scale)])
+        self.helper = helper
+
+    def forward(self, x):
+        return self.blocks[0](x).sum(dim=-1)
+
+
+class Opaque:
+    """An arbitrary object: the fingerprint cannot record what it holds."""
+
+    def __init__(self):
+        self.state = {"opened": True}
+
+
+class Stateless:
+    """No state of its own (like diffusers' attention processors): its class's code says what it does."""
+
+    def __call__(self, x):
+        return x
+
+
+def _scaled(scale: float, helper: object = None) -> Scaled:
+    torch.manual_seed(0)
+    return Scaled(scale, helper)
+
+
+def test_changed_constructor_scalar_match_raises_moo_regenerates_graph_refuses(tmp_path):
+    save = tmp_path / "gen"
+    old = _scaled(2.0)
+    parallelize(old, _x(), "dp", ComputeConfig(1, 1), gen_savedir=save, load_module=False)
+    new = _scaled(3.0)
+    with pytest.raises(
+        ConfigError, match=r"model attribute `blocks\.0\.scale` changed: 2\.0 -> 3\.0"
+    ) as info:
+        parallelize(new, _x(), "dp", ComputeConfig(1, 1), gen_savedir=save)
+    assert "reuse='moo'" in str(info.value)
+    with pytest.raises(
+        ConfigError, match=r"reuse='graph'.*model attribute `blocks\.0\.scale` changed: 2\.0 -> 3\.0"
+    ):
+        parallelize(new, _x(), "dp", ComputeConfig(1, 1), gen_savedir=save, reuse="graph")
+    pm = parallelize(new, _x(), "dp", ComputeConfig(1, 1), gen_savedir=save, reuse="moo")
+    expected = new(**_x(2))
+    torch.testing.assert_close(pm(**_x(2)), expected)  # computes with 3.0, not the old code's 2.0
+    torch.testing.assert_close(expected, old(**_x(2)) * 1.5)
+    parallelize(new, _x(), "dp", ComputeConfig(1, 1), gen_savedir=save, load_module=False)  # now it matches
+
+
+def test_unfingerprintable_attribute_is_named_in_one_warning(tmp_path):
+    from nnscaler.parallel.attributes import AttributeWarning
+
+    with pytest.warns(AttributeWarning) as record:
+        parallelize(
+            _scaled(2.0, Opaque()), _x(), "dp", ComputeConfig(1, 1), gen_savedir=tmp_path, load_module=False
+        )
+    mine = [w for w in record if issubclass(w.category, AttributeWarning)]
+    assert len(mine) == 1, [str(w.message) for w in mine]
+    assert f"`helper` ({__name__}.Opaque)" in str(mine[0].message)
+    # left out: the fingerprint is the same whatever the object holds; plain values are recorded
+    with pytest.warns(AttributeWarning):
+        values = fp_mod.fingerprint(_scaled(2.0, Opaque()), _x(), "dp", ComputeConfig(1, 1), "v")[
+            "attributes"
+        ]
+    assert "helper" not in values and values["blocks.0.scale"] == "2.0"
+
+
+def test_attribute_values_of_containers_configs_and_tensors():
+    import dataclasses
+    import enum
+
+    from nnscaler.parallel.attributes import attribute_values
+
+    class Mode(enum.Enum):
+        A = 1
+
+    @dataclasses.dataclass
+    class Cfg:
+        heads: int = 4
+        dims: tuple = (8, 16)
+
+    module = torch.nn.Linear(2, 2)
+    module.cfg, module.other = Cfg(), Cfg()
+    module.table = {"a": [1, 2.5], "b": {"c": Mode.A}}
+    module.mask = torch.ones(3, 4)
+    module.tags = {"y", "x"}
+    module.processor = Stateless()  # a strategy object: recorded by its class
+    module.ordered = collections.OrderedDict(a=1)  # a dict subclass: by its items
+    values = attribute_values(module, warn=False)
+    assert values["cfg.heads"] == "4" and values["cfg.dims"] == "(8, 16)"
+    assert values["other"] == "same as cfg"  # an equal config is listed once
+    assert values["table['a']"] == "[1, 2.5]"
+    assert values["table['b']['c']"].endswith("Mode.A")
+    assert values["mask"] == "tensor [3, 4] float32"  # shape and dtype, never values
+    assert values["tags"] == "{'x', 'y'}" and values["in_features"] == "2"
+    assert values["processor"].startswith(f"object {__name__}.Stateless ") and values["ordered['a']"] == "1"
+    assert not any(k in values for k in ("training", "_parameters", "weight"))
+
+
+TINY_LLAMA = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32,
+}
+
+
+def _tiny_llama(**change):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, **change))
+
+
+def test_changed_transformers_config_value_is_caught():
+    ids = {"input_ids": torch.randint(0, 64, (2, 8))}
+    base = fp_mod.fingerprint(_tiny_llama(), ids, "dp", ComputeConfig(1, 1), "v")
+    eps = fp_mod.fingerprint(_tiny_llama(rms_norm_eps=1e-5), ids, "dp", ComputeConfig(1, 1), "v")
+    lines = fp_mod.describe_differences(base, eps)
+    assert lines[0] == "model attribute `config.rms_norm_eps` changed: 1e-06 -> 1e-05", lines
+    assert "model attribute `model.norm.variance_epsilon` changed: 1e-06 -> 1e-05" in lines
+    theta = {"rope_theta": 500000.0, "rope_type": "default"}
+    rope = fp_mod.fingerprint(_tiny_llama(rope_parameters=theta), ids, "dp", ComputeConfig(1, 1), "v")
+    assert fp_mod.describe_differences(base, rope, fp_mod.GRAPH_KEYS) == [
+        "model attribute `config.rope_parameters['rope_theta']` changed: 10000.0 -> 500000.0"
+    ]

@@ -384,3 +384,79 @@ def extract_loss(output: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(f"the loss must be a scalar tensor, got {loss!r}")
     return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor-parallel families: Falcon (parallel blocks, fused multi-query / grouped QKV) and
+# torch.nn.MultiheadAttention (packed in_proj_weight); see tests/test_tp_families.py
+# ---------------------------------------------------------------------------------------------
+def build_falcon(seed: int = 0, **extra: Any) -> tuple[nn.Module, MakeBatch]:
+    """Falcon with parallel attention and MLP; multi-query (one K/V head) unless `extra` says otherwise."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        parallel_attn=True,
+        alibi=False,
+        bias=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        use_cache=False,
+        **({"multi_query": True} | extra),
+    )
+    _settle(config)
+    torch.manual_seed(seed)
+    model = _settle_model(FalconForCausalLM(config))
+    return model, _token_batch(config.vocab_size, 8, "input_ids", "labels", shift=False)
+
+
+class MHALM(nn.Module):
+    """A small LM on torch.nn.MultiheadAttention (packed in_proj_weight, out_proj): pre-norm blocks of
+    self-attention (need_weights=False) and an MLP, a linear head, cross entropy."""
+
+    def __init__(self, batch_first: bool, bias: bool, vocab: int = 64, dim: int = 32, layers: int = 2):
+        super().__init__()
+        self.batch_first = batch_first
+        self.embed = nn.Embedding(vocab, dim)
+        self.ln1 = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
+        self.attn = nn.ModuleList(
+            nn.MultiheadAttention(dim, 4, bias=bias, batch_first=batch_first) for _ in range(layers)
+        )
+        self.ln2 = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
+        self.mlp = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 2 * dim, bias=bias), nn.GELU(), nn.Linear(2 * dim, dim, bias=bias))
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        if not self.batch_first:
+            h = h.transpose(0, 1)  # (seq, batch, dim)
+        for ln1, attn, ln2, mlp in zip(self.ln1, self.attn, self.ln2, self.mlp):
+            x = ln1(h)
+            h = h + attn(x, x, x, need_weights=False)[0]
+            h = h + mlp(ln2(h))
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        logits = self.head(h)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def build_mha(seed: int = 0, batch_first: bool = True, bias: bool = True) -> tuple[nn.Module, MakeBatch]:
+    torch.manual_seed(seed)
+    model = MHALM(batch_first, bias)
+    return model.train(), _token_batch(64, 8, "input_ids", "labels", shift=True)
+
+
+MODELS.update(
+    {
+        "falcon_mq": build_falcon,
+        "falcon_gqa": lambda seed=0: build_falcon(seed, new_decoder_architecture=True, num_kv_heads=2),
+        "mha": build_mha,
+        "mha_seq_first": lambda seed=0: build_mha(seed, batch_first=False, bias=False),
+    }
+)

@@ -244,3 +244,17 @@ FAMILIES = {
     "modernbert": "tests.zoo_families:build_modernbert",
 }
 """Family name -> the harness's builder name."""
+
+
+def build_mamba2(seed: int = 0) -> tuple[nn.Module, MakeBatch]:
+    """Mamba2: multi-head state space with a chunked scan (segment sums, cumulative sums)."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    config = Mamba2Config(
+        vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4,
+        num_heads=8, head_dim=8, n_groups=1, chunk_size=4, time_step_rank=4, tie_word_embeddings=False,
+    )  # fmt: skip
+    return _build(Mamba2ForCausalLM, config, seed, attention=False), _lm_batch()
+
+
+FAMILIES["mamba2"] = "tests.zoo_families:build_mamba2"

@@ -70,6 +70,7 @@ def parallelize_sub_modules(args: Any, model: nn.Module, compile_only: bool) -> 
                 broadcast_strategy="none"
                 if compile_only
                 else (entry.broadcast_strategy or args.broadcast_strategy),
+                verify=args.verify,
             )
             if not compile_only:
                 parent_name, _, attr = name.rpartition(".")

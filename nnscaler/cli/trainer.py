@@ -131,6 +131,7 @@ class Trainer:
                 load_module=not args.compile_mode,
                 module_dtype=args.param_dtype,
                 broadcast_strategy=args.broadcast_strategy if not args.compile_mode else "none",
+                verify=args.verify,
             )
         if args.compile_mode:
             if self.rank == 0:

@@ -131,6 +131,9 @@ class TrainerArgs:
     """Built-in policy name (dp, tp, data, pp, hybrid, autodist) or dotted name of a policy function."""
     broadcast_strategy: str = "all"
     """How generated files reach the other ranks: none, all, no_weights, code."""
+    verify: bool | None = None
+    """Check the captured program against the model on the dummy sample when generating code
+    (parallelize's `verify`): null: when the weights are real and under 200M parameters; true; false."""
     instance_name: str | None = field(default=None, metadata={NORMALIZE_KEY: factory_normalize})
     """Instance directory name under gen_savedir (a `__type` factory is allowed)."""
     run_mode: str = "run"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from nnscaler.codegen.atomic import write_atomic
+from nnscaler.codegen.leaf_code import leaf_module_lines
 from nnscaler.codegen.pipeline_view import build_pipeline_view
 from nnscaler.codegen.render import render_module
 from nnscaler.codegen.view_model import ModuleView, build_module_view
@@ -28,6 +29,9 @@ def generate_code(
         view = build_pipeline_view(program, rank, cfg, model_name, policy, full_shapes, version)
     else:
         view = build_module_view(program, rank, cfg, model_name, policy, full_shapes, version)
+    imports, attrs = leaf_module_lines(program)  # opaque leaf modules: the runtime's `leaf.call`
+    view.imports += imports
+    view.class_attrs += attrs
     if plan_fingerprint is not None:
         view.class_attrs.append(f"plan_fingerprint = {plan_fingerprint!r}  # names the plan in checkpoints")
     return render_module(view)

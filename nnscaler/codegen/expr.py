@@ -9,8 +9,10 @@ from typing import Any
 
 import torch
 
+from nnscaler.codegen.leaf_code import leaf_call_code
 from nnscaler.graph.ir import ModeValue, Ref, SymExpr, mesh_coords
 from nnscaler.graph.ops.custom import op_emitter
+from nnscaler.graph.ops.leaf import is_leaf_op
 from nnscaler.partition import GROUP, AxisGroup, RankScaled, Statement
 
 __all__ = ["Formatter", "statement_code"]
@@ -307,6 +309,8 @@ def op_expression(s: Statement, f: Formatter) -> str:
         return _call(_TORCH_FN[op], [f(a) for a in s.args], _tensor_kwargs(s, f))
     if op in _F_FN:
         return _call(_F_FN[op], [f(a) for a in s.args], _tensor_kwargs(s, f))
+    if is_leaf_op(op):  # an opaque leaf module, run eagerly: `nnscaler.runtime.leaf.call(self, ...)`
+        return leaf_call_code(s, f)
     if op.endswith(".apply") and ":" in op:  # a custom autograd Function: `module.Qualname.apply(...)`
         return _call(op.replace(":", "."), [f(a) for a in s.args], {k: f(v) for k, v in s.kwargs.items()})
     return _call(f"torch.ops.{op}", [f(a) for a in s.args], {k: f(v) for k, v in s.kwargs.items()})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nnscaler.codegen.constants_code import constants_attrs, pipeline_constant_users
 from nnscaler.codegen.expr import Formatter
 from nnscaler.codegen.safe_text import comment_text, docstring_text, literal
 from nnscaler.codegen.schedule_code import pipeline_infer_lines, pipeline_train_lines
@@ -14,9 +15,9 @@ from nnscaler.codegen.view_model import (
     StageView,
     _trailing,
     _unpack_inputs,
-    constants_attrs,
     custom_op_imports,
     end2end_attrs,
+    frozen_params,
     inference_attrs,
     shard_lines,
 )
@@ -139,7 +140,8 @@ def build_pipeline_view(
         runtime_ngpus=cfg.runtime_ngpus,
         mesh=mesh,
     )
-    shards, aliases = shard_lines(tensors, tp_index, ways, mesh)
+    frozen = frozen_params([s.program for s in pprog.stages])
+    shards, aliases = shard_lines(tensors, tp_index, ways, mesh, frozen)
     tied = _tied_groups(pprog)
     tied_lines = [
         f"self.add_tied({literal(name)}, {[layout.rank(base, g, tp_index) for g in groups]})"
@@ -179,7 +181,12 @@ def build_pipeline_view(
     ]
     header = [comment_text(line) for line in header]  # names from the user's model: one line each
     class_attrs = end2end_attrs(pprog.inputs.forward_args, pipe.nmicros, stage_ranks[pipe.nstages - 1], True)
-    class_attrs += inference_attrs(cfg) + constants_attrs(pprog.inputs)
+    stage_groups = {
+        s: [layout.rank(base, s % pipe.pp_size, i) for i in range(layout.tp)] for s in range(pipe.nstages)
+    }
+    class_attrs += inference_attrs(cfg) + constants_attrs(
+        pipeline_constant_users(pprog, stage_groups.__getitem__)
+    )
     rules = pprog.inputs.shape_rules + [r for s in pprog.stages for r in s.program.shape_rules]
     unpack, in_spec_json = _unpack_inputs(pprog.inputs, rules)
     input_names = sorted({n for s in pprog.stages for n in s.graph_inputs})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from nnscaler.codegen.constants_code import constants_attrs, spmd_constant_users
 from nnscaler.codegen.expr import Formatter
 from nnscaler.codegen.safe_text import comment_text, literal
 from nnscaler.codegen.schedule_code import plain_infer_lines, plain_train_lines
@@ -166,7 +167,7 @@ def build_module_view(
         runtime_ngpus=cfg.runtime_ngpus,
         mesh=program.mesh,
     )
-    shards, aliases = shard_lines(program.tensors, tp_index, ways, program.mesh)
+    shards, aliases = shard_lines(program.tensors, tp_index, ways, program.mesh, frozen_params([program]))
     sections, uses_checkpoint = build_sections(
         program, fmt, lambda s: _trailing(s, program, full_shapes), CodeLine, Section
     )
@@ -224,7 +225,7 @@ def build_module_view(
         view.schedule_doc = (
             "End-to-end mode without pipeline stages: forward and backward of each micro-batch in turn."
         )
-    view.class_attrs += inference_attrs(cfg) + constants_attrs(program)
+    view.class_attrs += inference_attrs(cfg) + constants_attrs(spmd_constant_users(program))
     return view
 
 
@@ -245,26 +246,36 @@ def inference_attrs(cfg: ComputeConfig) -> list[str]:
     return ["inference_only = True  # ComputeConfig(inference_only=True): forward only, no gradient reducer"]
 
 
-def constants_attrs(program: Program) -> list[str]:
-    """Where the values of tensors the forward creates from literals are (`torch.tensor([...])`)."""
-    if not program.constant_names:
-        return []
-    names = comment_text(", ".join(program.constant_names))
-    return [f'constants_file = "constants.pt"  # values of {names}: made in forward, non-persistent buffers']
+def frozen_params(programs: list[Program]) -> set[str]:
+    """Parameters the user froze (`requires_grad=False` when traced): registered without gradients."""
+    return {
+        t.name
+        for p in programs
+        for t in p.tensors
+        if t.is_param and t.name in p.local_meta and not p.local_meta[t.name].requires_grad
+    }
 
 
 def shard_lines(
-    tensors: list[LocalTensor], tp_index: int, ways: int, mesh: tuple[int, ...] = ()
+    tensors: list[LocalTensor],
+    tp_index: int,
+    ways: int,
+    mesh: tuple[int, ...] = (),
+    frozen: set[str] | frozenset[str] = frozenset(),
 ) -> tuple[list[ShardLine], list[str]]:
-    """`add_shard` lines for this rank's parameters and buffers, and `add_alias` lines for tied names."""
+    """`add_shard` lines for this rank's parameters and buffers, and `add_alias` lines for tied names.
+    Parameters named in `frozen` are registered with `requires_grad=False`."""
     shards = []
     for t in tensors:
         kind = "" if t.is_param else ", is_param=False" + ("" if t.persistent else ", persistent=False")
+        if t.is_param and t.name in frozen:
+            kind += ", requires_grad=False"
         code = (
             f"self.add_shard({literal(t.name)}, {literal(t.original_name)}, {tuple(t.full_shape)}, torch.{t.dtype}"
             f"{_shard_arg(t.layout, tp_index, ways, mesh)}{kind})"
         )
-        shards.append(ShardLine(code, _shard_comment(t, t.layout, ways)))
+        comment = _shard_comment(t, t.layout, ways) + ("; frozen" if t.is_param and t.name in frozen else "")
+        shards.append(ShardLine(code, comment))
     aliases = [
         f"self.add_alias({literal(a)}, {literal(t.original_name)})" for t in tensors for a in t.aliases
     ]

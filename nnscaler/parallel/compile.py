@@ -19,9 +19,10 @@ from nnscaler.graph.ir import Graph, graph_from_json, graph_to_json
 from nnscaler.parallel.artifacts import torch_bytes
 from nnscaler.parallel.savedir import CONSTANTS_FILE
 from nnscaler.parallel.unannotated import check_unannotated
+from nnscaler.parallel.unsplit import UnsplitWeight, unsplit_summary, unsplit_weights
 from nnscaler.partition import apply_pipeline, apply_plan
 from nnscaler.policies import make_plan, resolve_policy
-from nnscaler.policies.options import validate_pas_config
+from nnscaler.policies.options import leaf_module_options, validate_pas_config
 
 __all__ = ["CompileResult", "compile_module", "CONSTANTS_FILE"]
 
@@ -31,6 +32,8 @@ class CompileResult:
     outdir: Path
     graph: Graph
     seconds: dict[str, float] = field(default_factory=dict)
+    unsplit: list[UnsplitWeight] = field(default_factory=list)
+    """The largest weights kept whole on every device of a tensor-parallel group, with the reason."""
 
 
 _log = logging.getLogger(__name__)
@@ -79,7 +82,14 @@ def compile_module(
     elif reuse_graph and graph_file.exists():
         graph = graph_from_json(graph_file.read_text())
     else:
-        graph = capture(module, dummy_forward_args, static_shapes=cfg.constant_folding)
+        leaves, auto_leaves = leaf_module_options(cfg.pas_config)  # submodules run eagerly as one op
+        graph = capture(
+            module,
+            dummy_forward_args,
+            static_shapes=cfg.constant_folding,
+            leaf_modules=leaves,
+            auto_leaf_modules=auto_leaves,
+        )
         write_atomic(graph_file, graph_to_json(graph))
         _save_constants(outdir, graph)
     check_unannotated(graph)
@@ -96,6 +106,7 @@ def compile_module(
     t0 = time.perf_counter()
     program = apply_pipeline(graph, plan) if plan.pipeline else apply_plan(graph, plan)
     seconds["partition"] = time.perf_counter() - t0
+    unsplit = _unsplit(graph, plan, program)
     t0 = time.perf_counter()
     full_shapes = {k: v.meta.shape for k, v in graph.values.items() if v.meta is not None}
     plan_id = plan_fingerprint(graph_file.read_bytes(), plan.to_json(), cfg)
@@ -112,8 +123,19 @@ def compile_module(
         _plan_summary(plan, cfg),
         *(seconds[k] for k in ("capture", "plan", "partition", "codegen")),
     )
+    if plan.tp_size > 1:
+        _log.info("%s", unsplit_summary(unsplit))
     _log.info("generated code: %s", outdir / f"gencode{{0..{cfg.runtime_ngpus - 1}}}.py")
-    return CompileResult(outdir, graph, seconds)
+    return CompileResult(outdir, graph, seconds, unsplit)
+
+
+def _unsplit(graph: Graph, plan: Any, program: Any) -> list[UnsplitWeight]:
+    """The largest weights the plan keeps whole on every device of a tensor-parallel group."""
+    if plan.tp_size == 1:
+        return []
+    stages = [s.program for s in program.stages] if hasattr(program, "stages") else [program]
+    tensors = list({t.name: t for p in reversed(stages) for t in p.tensors}.values())
+    return unsplit_weights(graph, plan, tensors)
 
 
 def _plan_summary(plan: Any, cfg: ComputeConfig) -> str:

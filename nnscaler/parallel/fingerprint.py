@@ -5,7 +5,9 @@ A fingerprint is a JSON-able dict of everything that shapes the generated code:
 - the model: its class, train/eval mode, the source of every module class in it (whole MRO,
   torch's own excluded) and of the helpers those classes call from the model's own package
   (see `nnscaler.parallel.sources`), the versions of installed model packages, and the names,
-  shapes and dtypes of its parameters and buffers (never their values);
+  shapes and dtypes of its parameters and buffers (never their values), and the values of the plain
+  attributes of every submodule (`scale=2.0`, a config's `rms_norm_eps`; see
+  `nnscaler.parallel.attributes`);
 - the dummy inputs: structure, shapes and dtypes of tensors, values of plain Python arguments;
 - the policy (its name, and its source when it is a callable) and the ComputeConfig (pas_config
   included);
@@ -28,12 +30,14 @@ from nnscaler.config import ComputeConfig
 from nnscaler.errors import ConfigError
 from nnscaler.graph.ir import Graph
 from nnscaler.parallel import sources
+from nnscaler.parallel.attributes import attribute_values
 
 __all__ = ["fingerprint", "describe_differences", "check_graph", "GRAPH_KEYS", "FORMAT"]
 
-FORMAT = 3
+FORMAT = 4
 """Bumped when the fingerprint's layout changes (an older one then never matches). 3: the saved
-fingerprint records the sha256 of every generated file (nnscaler.parallel.artifacts)."""
+fingerprint records the sha256 of every generated file (nnscaler.parallel.artifacts). 4: the values
+of the model's attributes (`attributes`)."""
 
 GRAPH_KEYS = (
     "python",
@@ -45,6 +49,7 @@ GRAPH_KEYS = (
     "packages",
     "parameters",
     "buffers",
+    "attributes",
     "dummy_forward_args",
 )
 """Fingerprint parts the traced graph depends on (plus ComputeConfig.constant_folding)."""
@@ -102,6 +107,7 @@ def fingerprint(
             name: [list(b.shape), str(b.dtype).removeprefix("torch.")]
             for name, b in module.named_buffers(remove_duplicate=False)
         },
+        "attributes": attribute_values(module),
         "dummy_forward_args": _describe(dummy_forward_args),
         "policy": _policy(policy),
         "compute_config": json.loads(json.dumps(cfg.to_dict(), default=str)),
@@ -111,13 +117,17 @@ def fingerprint(
 # ---- what differs --------------------------------------------------------------------------------
 
 
-def _short(value: Any) -> str:
-    text = json.dumps(value, default=str)
+def _short(value: Any, quote: bool = True) -> str:
+    text = json.dumps(value, default=str) if quote else str(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _dict_diff(old: dict, new: dict, changed: str, added: str, removed: str) -> list[str]:
-    out = [changed.format(k, _short(old[k]), _short(new[k])) for k in old if k in new and old[k] != new[k]]
+def _dict_diff(old: dict, new: dict, changed: str, added: str, removed: str, quote: bool = True) -> list[str]:
+    out = [
+        changed.format(k, _short(old[k], quote), _short(new[k], quote))
+        for k in old
+        if k in new and old[k] != new[k]
+    ]
     out += [added.format(k) for k in new if k not in old]
     out += [removed.format(k) for k in old if k not in new]
     return out
@@ -183,6 +193,15 @@ def describe_differences(
                 what + " {}: [shape, dtype...] {} -> {}",
                 "new " + what + " {}",
                 what + " {} is gone",
+            )
+        elif key == "attributes":
+            lines += _dict_diff(
+                a or {},
+                b or {},
+                "model attribute `{}` changed: {} -> {}",
+                "model attribute `{}` is new",
+                "model attribute `{}` is gone",
+                quote=False,
             )
         elif key == "dummy_forward_args":
             lines += _dict_diff(

@@ -29,8 +29,10 @@ from nnscaler.parallel.savedir import (
     is_weight_file,
     module_outdir,
 )
+from nnscaler.parallel.verify import should_verify, verify_capture
 from nnscaler.policies.options import validate_pas_config
 from nnscaler.runtime.device import bind_cuda_device
+from nnscaler.runtime.leaf import attach_leaf_modules
 from nnscaler.runtime.meta_weights import refuse_meta_weights
 from nnscaler.runtime.replicas import load_initial_weights, validate_init_params_sync
 from nnscaler.runtime.store_sync import next_key, publish_outcome, wait_outcome
@@ -186,6 +188,7 @@ def parallelize(
     init_module_params: bool = True,
     broadcast_strategy: BroadcastGenFilesStrategy | str = BroadcastGenFilesStrategy.NONE,
     init_params_sync: str = "broadcast",
+    verify: bool | None = None,
 ):
     """Compile the module for `compute_config` and return this rank's ParallelModule.
 
@@ -203,6 +206,12 @@ def parallelize(
     init_params_sync (module instance, several ranks): 'broadcast' makes every rank take its shards
     from rank 0's weights, so unseeded ranks still hold one model; 'check' compares a checksum of
     every tensor across the ranks and raises naming the first that differs; 'none' trusts each rank's.
+
+    verify: after capture, run the captured program's single-device code and the module on the dummy
+    inputs (forward and backward; also forward in the other mode where the program follows
+    train()/eval()) and raise CompileError naming the first module and source line where they differ. None (default): when the
+    weights and dummy inputs are real and the model has under 200M parameters; True: always (ConfigError
+    on meta weights); False: never. The module's buffers, `.grad` and the RNG stream are left as they were.
     """
     if not isinstance(compute_config, ComputeConfig):
         raise ConfigError(f"compute_config must be a ComputeConfig, got {type(compute_config).__name__}")
@@ -217,6 +226,10 @@ def parallelize(
             f"broadcast_strategy={broadcast_strategy!r} is not one of {[b.value for b in BroadcastGenFilesStrategy]}"
         ) from None
     init_params_sync = validate_init_params_sync(init_params_sync)
+    if verify is not None and not isinstance(verify, bool):
+        raise ConfigError(
+            f"verify={verify!r}: pass True, False or None (check when the model is small enough)"
+        )
     if _distributed() and dist.get_world_size() != compute_config.runtime_ngpus:
         raise ConfigError(
             f"ComputeConfig.runtime_ngpus is {compute_config.runtime_ngpus} but the process group has "
@@ -243,6 +256,7 @@ def parallelize(
                 module_dtype,
                 save_weights=is_class and init_module_params,
                 require_weights=is_class and init_module_params and load_module,
+                verify=verify,
             )
         except Exception as exc:  # the other ranks hear of it instead of waiting forever
             error = exc
@@ -256,8 +270,13 @@ def parallelize(
     if is_class:
         has_weights = init_module_params and (outdir / WEIGHTS_FILE).exists()
         gen_class.init_weights_file = WEIGHTS_FILE if has_weights else None
+        if getattr(gen_class, "leaf_modules", ()):  # opaque leaves run the model's own code: its structure
+            with torch.device("meta"):
+                structure = module_fn() if module_fn is not None else module_or_module_class()
+            attach_leaf_modules(gen_class, structure)
         return gen_class
     pm = gen_class(init_params=False)
+    attach_leaf_modules(pm, module_or_module_class)  # opaque leaf modules run eagerly on pm's tensors
     pm.compute_config = compute_config
     pm.train(module_or_module_class.training)  # the generated code follows train()/eval() from here
     if init_module_params:  # every rank cuts its shards from rank 0's weights ('broadcast') or checks
@@ -276,6 +295,7 @@ def _generate(
     module_dtype,
     save_weights: bool,
     require_weights: bool = False,
+    verify: bool | None = None,
 ) -> dict[str, dict] | None:
     """Rank 0: build the module if given a class, and (re)generate the output directory as `reuse` says.
     Returns the record of the generated files (their sha256), as read while holding the directory's lock."""
@@ -293,12 +313,13 @@ def _generate(
         )
     if module_dtype is not None:
         module = module.to(module_dtype)
+    check = should_verify(verify, module, dummy_forward_args)  # verify=True on meta weights: fail fast
     fp = fingerprint(module, dummy_forward_args, pas_policy, cfg, __version__)
     with compile_lock(outdir):  # another job compiling into the same directory waits here
         generate, graph = decide(outdir, fp, reuse, cfg)
         if generate:
             start_generation(outdir)
-            compile_module(
+            result = compile_module(
                 module,
                 dummy_forward_args,
                 pas_policy,
@@ -308,6 +329,15 @@ def _generate(
                 reuse_graph=False,
                 graph=graph,
             )
+            if check:  # before the fingerprint: code that failed the check is never reused
+                verify_capture(
+                    module,
+                    dummy_forward_args,
+                    result.graph,
+                    outdir,
+                    backward=not cfg.inference_only,
+                    required=verify is True,
+                )
             finish_generation(outdir, fp, cfg)  # the fingerprint, last
         else:
             _log.info("reusing the code generated in %s (reuse=%r)", outdir, ReuseType(reuse).value)

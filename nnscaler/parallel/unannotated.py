@@ -9,6 +9,7 @@ import torch
 from nnscaler.errors import TraceError
 from nnscaler.graph.ir import Graph
 from nnscaler.graph.ops import get_rule
+from nnscaler.graph.ops.leaf import is_leaf_op
 
 __all__ = ["check_unannotated", "UnannotatedOpWarning"]
 
@@ -44,6 +45,8 @@ def check_unannotated(graph: Graph) -> None:
     seen: set[str] = set()
     for node in graph.nodes:
         if get_rule(node.op) is not None or node.op in seen:
+            continue
+        if is_leaf_op(node.op):  # an opaque leaf module: warned about at capture
             continue
         why = _replication_invalid(node.op)
         if why:

@@ -284,15 +284,19 @@ class _Partitioner:
         split_axes = self._split_axes(np) if split else ()
         bias_axes = frozenset(k for k, (ident, ways) in split_axes if is_bias_split(bound, rule, ident, ways))
         bias_split = bool(bias_axes)
-        local = {}
+        local = []  # per tensor argument: a value read twice (x @ x) may be needed in two layouts
         for i, (ref, req) in enumerate(zip(refs, reqs)):
-            if ref.name not in local:
-                # the bias of a row-parallel op is added after the reduction, by every rank alike: no f
-                skip = bias_axes if bias_split and i == rule.bias_input else frozenset()
-                sync = self._sync_groups(np, req, skip) if split else ()
-                local[ref.name] = self._convert(ref.name, req, node, sync)
-        args = map_refs(node.args, lambda r: Ref(local.get(r.name, r.name)))
-        kwargs = map_refs(node.kwargs, lambda r: Ref(local.get(r.name, r.name)))
+            # the bias of a row-parallel op is added after the reduction, by every rank alike: no f
+            skip = bias_axes if bias_split and i == rule.bias_input else frozenset()
+            sync = self._sync_groups(np, req, skip) if split else ()
+            local.append(self._convert(ref.name, req, node, sync))
+        tensors = iter(local)
+
+        def localise(r: Ref) -> Ref:
+            return Ref(next(tensors)) if self.graph.values[r.name].meta is not None else r
+
+        args = map_refs(node.args, localise)
+        kwargs = map_refs(node.kwargs, localise)
         for out, layout in zip(node.outputs, outs):
             self.layouts[out] = layout
             self._meta(out, layout)
@@ -341,6 +345,8 @@ class _Partitioner:
             self._bias_split(node, rule.bias_input, bias_axes, outs[0], args, kwargs, common)
         else:
             args = self._localise_args(node, args)
+            if rule is not None and rule.local_args is not None:
+                args, kwargs = rule.local_args(tuple(args), dict(kwargs), dict(s for _, s in split_axes))
             if node.op == "aten.scaled_dot_product_attention.default":
                 dropout_p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
                 if dropout_p and self._shard_group(node, split_axes) is not GROUP:
@@ -402,10 +408,16 @@ class _Partitioner:
             if dim <= d < dim + len(sizes):
                 sizes[d - dim] = _local_size(sizes[d - dim], ways)
             return (args[0], dim, sizes, *args[3:])
-        if node.op == "aten.split.Tensor":
+        if node.op in ("aten.split.Tensor", "aten.split_with_sizes.default"):
             dim = (args[2] if len(args) > 2 else 0) % len(self.graph.values[node.outputs[0]].meta.shape)
-            if dim == d:
-                return (args[0], _local_size(args[1], ways), *args[2:])
+            if dim == d:  # equal pieces, each split alike: every size is this rank's share
+                size = args[1]
+                local = (
+                    [_local_size(s, ways) for s in size]
+                    if isinstance(size, (list, tuple))
+                    else _local_size(size, ways)
+                )
+                return (args[0], local, *args[2:])
         return args
 
     def _special(self, node: Node, specials: dict, split_axes, bound, args, kwargs, common, outputs) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "POLICY_OPTIONS",
     "parse_pas_config",
     "validate_pas_config",
+    "leaf_module_options",
 ]
 
 
@@ -54,6 +55,22 @@ class PolicyOptions:
         metadata=_doc(
             "Modules whose activations are recomputed in backward (torch.utils.checkpoint): class names "
             "or module-path suffixes, comma-separated or a list; 'ROOT' is the whole model."
+        ),
+    )
+    leaf_modules: str | list[str] | None = field(
+        default=None,
+        metadata=_doc(
+            "Submodules that run as one opaque op each (eager PyTorch, replicated on every device of the plan, "
+            "their parameters too): module paths (e.g. 'model.visual') or class names, comma-separated or a "
+            "list. An entry that matches no submodule is an error. See docs/inputs.md."
+        ),
+    )
+    auto_leaf_modules: bool = field(
+        default=True,
+        metadata=_doc(
+            "When capture fails on data-dependent Python (a loop over `x.tolist()`) inside a submodule whose "
+            "forward takes and returns tensors, run the innermost such submodule as an opaque op and retry, "
+            "with a LeafModuleWarning. False: fail instead."
         ),
     )
 
@@ -291,6 +308,18 @@ def _unknown_key_message(key: str, policy: str, known: list[str]) -> str:
         f"{msg}{end} Options of {policy!r}: {known} (docs/policies.md); keys starting with '_' are "
         "accepted and ignored"
     )
+
+
+def leaf_module_options(pas_config: Mapping[str, Any] | None) -> tuple[list[str], bool]:
+    """(`leaf_modules` as a list, `auto_leaf_modules`) of any pas_config, a custom policy's too: what
+    capture reads (graph/capture/leaf_modules.py); a value of the wrong type raises naming the key."""
+    pas_config = dict(pas_config or {})
+    keys = ("leaf_modules", "auto_leaf_modules")
+    opts = PolicyOptions.from_pas_config({k: pas_config[k] for k in keys if k in pas_config}, policy="any")
+    names = opts.leaf_modules or []
+    if isinstance(names, str):
+        names = names.split(",")
+    return [n.strip() for n in names if n.strip()], opts.auto_leaf_modules
 
 
 def parse_pas_config(

@@ -2,159 +2,186 @@
 
 A weight-carrying linear (or grouped expert matmul, or convolution) whose input arrives sharded on
 its reduction dim is row-parallel: partial sums, one all-reduce. Otherwise it is column-parallel
-(output features split; fused q/k/v or gate/up weights split per block so each device keeps whole
-heads) when its output can stay sharded up to a row-parallel consumer or the loss; else it is kept
-whole. Token embeddings split the vocabulary, and a loss over vocab-sharded logits becomes
-vocab-parallel cross entropy. Every other op follows its inputs (see propagate.py), so activation
-functions and attention by heads run sharded with no communication between the column and the
-row linear.
+(output features split) when that split flows to a row-parallel consumer, a loss or the outputs with
+no communication on the way; flow.py replays propagation downstream to check, so a split that would
+cut through a head is never taken. A fused projection tries the splits its downstream reshape allows
+(blocks.py), so each device keeps whole heads: the chunks it is cut into (GPT-2's q, k, v), then its
+outer sub-dims whole, then inner ones taken in every block (nn.MultiheadAttention's packed
+"(3 (heads head_dim))" rows split by heads in 3 blocks; Falcon's grouped "(kv_groups (q_per_kv + 2)
+head_dim)" rows split by KV group, each device keeping its groups' query heads and their K/V head).
+When none flows cleanly but the output still feeds a linear or the loss, the weight is split and its
+output all-gathered at once, read whole downstream (Megatron's `gather_output`); otherwise the
+weight stays whole. Either way the plan's note names the op that needed the output whole.
+
+Attention whose inputs all arrive whole is split by query heads when that flows to a row-parallel
+output projection: each device slices its query heads locally and reads the K/V heads whole. This is
+multi-query attention (Falcon's `multi_query`): the fused projection holds the query heads and one
+K/V head every device needs, so no split of it flows cleanly (a weight with some rows split and
+others replicated has no layout); it is split with its output gathered, and the attention, the
+output projection and the MLP split as usual.
+
+Token embeddings split the vocabulary, and a loss over vocab-sharded logits becomes vocab-parallel
+cross entropy. Every other op follows its inputs (see propagate.py).
+
+Parallel blocks (Falcon, GPT-J: attention and MLP read the same norm output; their outputs are summed
+with the residual) need nothing special: both branches are column -> row parallel, the norm output's
+gradient is all-reduced once for both branches, and each branch's partial sums are all-reduced
+before the sum: one all-reduce per branch, as in a sequential block (summing the partial sums first
+would save one, but needs an add that keeps partial sums).
 """
 
 from __future__ import annotations
 
 from nnscaler.config import ComputeConfig
-from nnscaler.graph.ir import Graph, Node, Shard, iter_refs
-from nnscaler.graph.ops import BoundAnno, get_rule, split_layouts
-from nnscaler.policies.blocks import blocks_hint
+from nnscaler.graph.ir import Graph, Node, Shard
+from nnscaler.graph.ops import BoundAnno, annotate_node, get_rule, layouts_for, split_layouts
+from nnscaler.policies.blocks import blocks_hint, sub_dims
+from nnscaler.policies.flow import FlowTracer
 from nnscaler.policies.plan import NodePlan, Plan
 from nnscaler.policies.propagate import PropagationState, propagate
+from nnscaler.policies.weighted import WeightedOp, derived_from, tensor_refs, weighted_op
 
 __all__ = ["pas_tp"]
 
-# op -> (input index of the activation, input index of the weight, reduction id, output id)
-_WEIGHTED = {
-    "aten.linear.default": (0, 1, "k", "n"),
-    "aten.addmm.default": (1, 2, "k", "n"),
-    "aten.mm.default": (0, 1, "k", "n"),
-    "aten.matmul.default": (0, 1, "k", "n"),
-    "transformers.grouped_mm_fallback.default": (0, 1, "k", "n"),
-    "aten._grouped_mm.default": (0, 1, "k", "n"),
-    "aten.conv1d.default": (0, 1, "c", "o"),
-    "aten.conv2d.default": (0, 1, "c", "o"),
-    "aten.conv3d.default": (0, 1, "c", "o"),
-}
-_CHANNEL_FIRST = {"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default"}
-_PASS_FAMILIES = {"elementwise", "attention", "user"}
-_PASS_VIEW_RULES = {"reshape", "expand", "permute", "split", "slice_", "cat", "pool", "batch_norm"}
-_STOP_OPS = {"aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten.cumsum.default"}
 
+class _TpDecider:
+    """The decisions `tp` makes during propagation (see the module docstring)."""
 
-def _derived_from(graph: Graph, value: str, kind: str, depth: int = 4) -> bool:
-    """True when `value` is of `kind` ('input', 'param') or a chain of one-input ops (views, casts) on one."""
-    v = graph.values[value]
-    if v.kind == kind:
-        return True
-    if v.producer is None or depth == 0:
-        return False
-    node = graph.node(v.producer)
-    return len(node.input_names()) == 1 and _derived_from(graph, node.input_names()[0], kind, depth - 1)
+    def __init__(self, graph: Graph, ways: int):
+        self.graph, self.ways = graph, ways
+        self._bound: dict[str, BoundAnno | None] = {}
+        self.tracer = FlowTracer(graph, ways, self.annotate)
+        self.weight_views: dict[str, tuple[int, int]] = {}
+        self.gathered: set[str] = set()
+        """Outputs of column-parallel ops that are gathered before anything reads them."""
 
+    def annotate(self, node: Node) -> BoundAnno | None:
+        if node.name not in self._bound:
+            self._bound[node.name] = annotate_node(node, self.graph)
+        return self._bound[node.name]
 
-class _Lookahead:
-    """Whether a column-split output can stay sharded until something that consumes it sharded."""
+    def __call__(self, state: PropagationState, node: Node, bound: BoundAnno) -> NodePlan | None:
+        want = self.weight_views.get(node.name)
+        if want is not None and bound.anno.outputs[0].dims:
+            dim, blocks = want
+            ident = bound.anno.outputs[0].dims[dim].ids[0]
+            if not isinstance(split_layouts(bound, ident, self.ways, blocks), str):
+                return NodePlan(ident, self.ways, blocks, note="weight view, split like its consumer")
+        w = weighted_op(self.graph, node)
+        if w is not None:
+            return self._weighted(state, w, bound)
+        if any(r.name in self.gathered for r in tensor_refs(self.graph, node)):
+            return NodePlan()  # reads a gathered column-parallel output: whole
+        if node.op == "aten.embedding.default":
+            return self._embedding(node, bound)
+        rule = get_rule(node.op)
+        if rule is not None and rule.family == "attention":
+            return self._attention(state, node, bound)
+        return None
 
-    def __init__(self, graph: Graph):
-        self.graph = graph
-        self.consumers = graph.consumers()
-        self.outputs = set(graph.output_names())
-
-    def reaches_consumer(self, value: str, limit: int = 64) -> bool:
-        seen, frontier = set(), [value]
-        while frontier and len(seen) < limit:
-            name = frontier.pop()
-            if name in seen:
+    def _weighted(self, state: PropagationState, w: WeightedOp, bound: BoundAnno) -> NodePlan | None:
+        if w.reads_row_parallel(state.layout(w.x)):
+            if not isinstance(split_layouts(bound, w.k, self.ways), str):
+                return NodePlan(w.k, self.ways, note="row-parallel")
+        size = bound.sizes.get(w.n)
+        if size is None or w.k not in bound.sizes:  # grouped convolutions: channels follow their input
+            return None
+        if size % self.ways:
+            return NodePlan(
+                note=f"kept whole: output features (size {size}) cannot be split {self.ways} ways"
+            )
+        tried: list[tuple[int, str]] = []  # (blocks, why the split does not flow cleanly)
+        for blocks in self._column_blocks(w):
+            lay = split_layouts(bound, w.n, self.ways, blocks)
+            if isinstance(lay, str):
                 continue
-            seen.add(name)
-            if name in self.outputs:
-                return True
-            for node in self.consumers.get(name, []):
-                rule = get_rule(node.op)
-                if node.op in _WEIGHTED or (rule is not None and rule.family == "loss"):
-                    return True
-                passes = (
-                    rule is not None
-                    and node.op not in _STOP_OPS
-                    and (rule.family in _PASS_FAMILIES or rule.annotate.__name__ in _PASS_VIEW_RULES)
-                )
-                if passes:
-                    frontier.extend(node.outputs)
-        return False
+            flow = self.tracer.follow(state, w.node.outputs[0], lay.outputs[0])
+            if flow.clean:
+                return NodePlan(w.n, self.ways, blocks, note="column-parallel")
+            tried.append((blocks, flow.reason))
+        why = tried[0][1] if tried else f"output features (size {size}) cannot be split {self.ways} ways"
+        if tried and self.tracer.feeds_consumer(w.node.outputs[0]):
+            # Megatron's gather_output: the weight is split, its output all-gathered at once and read
+            # whole downstream (instead of cut through a head or reshuffled later)
+            self.gathered.add(w.node.outputs[0])
+            return NodePlan(w.n, self.ways, tried[0][0], note=f"column-parallel, output gathered: {why}")
+        return NodePlan(
+            note=f"kept whole: no tensor-parallel pattern matched: split on its output features, {why}"
+        )
+
+    def _column_blocks(self, w: WeightedOp) -> list[int]:
+        """Block counts to try for a column split, most likely first: the chunks the output is cut
+        into, then each sub-dim of its downstream reshape (the sub-dims before it are the blocks)."""
+        if w.channel_first:
+            return [1]
+        out = w.node.outputs[0]
+        found = [blocks_hint(self.graph, out)]
+        before = 1
+        for size in sub_dims(self.graph, out):
+            if size % self.ways == 0:
+                found.append(before)
+            before *= size
+        return list(dict.fromkeys(found))
+
+    def _embedding(self, node: Node, bound: BoundAnno) -> NodePlan | None:
+        refs = tensor_refs(self.graph, node)
+        if self.graph.values[refs[0].name].kind != "param":
+            return None
+        if not derived_from(self.graph, refs[1].name, "input"):  # token ids, not positions
+            return NodePlan(note="indices are not token ids from the forward's inputs: kept whole")
+        if not isinstance(split_layouts(bound, "v", self.ways), str):
+            return NodePlan("v", self.ways, note="vocab-parallel")
+        return NodePlan(note=f"vocabulary cannot be split {self.ways} ways: kept whole")
+
+    def _attention(self, state: PropagationState, node: Node, bound: BoundAnno) -> NodePlan | None:
+        """Split by query heads when every input arrives whole and the split flows to a row-parallel
+        output projection (multi-query attention behind a fused projection whose output was gathered)."""
+        if any(isinstance(lay, Shard) for lay in state.input_layouts(node)):
+            return None
+        out = bound.anno.outputs[0].dims
+        if not out or len(out) < 3:
+            return None
+        heads = out[-3].ids[0]
+        lay = layouts_for(bound, get_rule(node.op), heads, self.ways)
+        if isinstance(lay, str) or not isinstance(lay.outputs[0], Shard):
+            return None
+        if self.tracer.follow(state, node.outputs[0], lay.outputs[0]).clean:
+            return NodePlan(heads, self.ways, note="attention by query heads; inputs sliced locally")
+        return None
 
 
 def pas_tp(graph: Graph, cfg: ComputeConfig) -> Plan:
     """Megatron-style tensor parallelism over the plan devices (see the module docstring)."""
     ways = cfg.plan_ngpus
-    lookahead = _Lookahead(graph)
-
-    def decide(state: PropagationState, node: Node, bound: BoundAnno) -> NodePlan | None:
-        refs = [r for r in iter_refs((node.args, node.kwargs)) if graph.values[r.name].meta]
-        if node.op in _WEIGHTED and len(refs) > _WEIGHTED[node.op][1]:
-            return _weighted(state, node, bound, refs)
-        if node.op == "aten.embedding.default" and graph.values[refs[0].name].kind == "param":
-            if not _derived_from(graph, refs[1].name, "input"):  # token ids, not positions
-                return NodePlan(note="indices are not token ids from the forward's inputs: kept whole")
-            if not isinstance(split_layouts(bound, "v", ways), str):
-                return NodePlan("v", ways, note="vocab-parallel")
-            return NodePlan(note=f"vocabulary cannot be split {ways} ways: kept whole")
-        return None
-
-    def _weighted(state, node, bound, refs) -> NodePlan | None:
-        x_idx, w_idx, k, n = _WEIGHTED[node.op]
-        if not _derived_from(graph, refs[w_idx].name, "param"):  # e.g. transposed expert weights
-            return None
-        x_lay = state.layout(refs[x_idx].name)
-        x_rank = len(graph.values[refs[x_idx].name].meta.shape)
-        k_dim = 1 if node.op in _CHANNEL_FIRST else x_rank - 1
-        if isinstance(x_lay, Shard) and x_lay.dim == k_dim and x_lay.blocks == 1:
-            if not isinstance(split_layouts(bound, k, ways), str):
-                return NodePlan(k, ways, note="row-parallel")
-        if not lookahead.reaches_consumer(node.outputs[0]):
-            return NodePlan(note="no row-parallel consumer or loss downstream: kept whole")
-        blocks = blocks_hint(graph, node.outputs[0]) if node.op not in _CHANNEL_FIRST else 1
-        if not isinstance(split_layouts(bound, n, ways, blocks), str):
-            return NodePlan(n, ways, blocks, note="column-parallel")
-        return NodePlan(note=f"output features cannot be split {ways} ways: kept whole")
-
     if ways == 1:
         plans = propagate(graph, ways, None)
         return Plan("tp", ways, plans, ())
-    weight_views: dict[str, tuple[int, int]] = {}
-
-    def decide_with_weight_views(state: PropagationState, node: Node, bound: BoundAnno) -> NodePlan | None:
-        want = weight_views.get(node.name)
-        if want is not None and bound.anno.outputs[0].dims:
-            dim, blocks = want
-            ident = bound.anno.outputs[0].dims[dim].ids[0]
-            if not isinstance(split_layouts(bound, ident, ways, blocks), str):
-                return NodePlan(ident, ways, blocks, note="weight view, split like its consumer")
-        return decide(state, node, bound)
-
+    decide = _TpDecider(graph, ways)
     plans = propagate(graph, ways, decide)
-    # A weight reached through a view (experts' transposed weights): split the view too, so the
-    # parameter is stored sharded instead of whole and sliced on every step. Second pass.
-    weight_views.update(_weight_view_splits(graph, plans))
-    if weight_views:
-        plans = propagate(graph, ways, decide_with_weight_views)
+    # A weight reached through a view (experts' transposed weights, `x @ w.T`): split the view too, so
+    # the parameter is stored sharded instead of whole and sliced on every step. Second pass.
+    decide.weight_views.update(_weight_view_splits(graph, plans))
+    if decide.weight_views:
+        decide.gathered.clear()
+        plans = propagate(graph, ways, decide)
     return Plan("tp", ways, plans, tuple(f"{name}: {p.note}" for name, p in plans.items() if p.note))
 
 
 def _weight_view_splits(graph: Graph, plans: dict[str, NodePlan]) -> dict[str, tuple[int, int]]:
     """View nodes over a parameter whose consumer needs the view sharded: node name -> output dim."""
-    from nnscaler.graph.ops import annotate_node, layouts_for
-
     out: dict[str, tuple[int, int]] = {}
     for node in graph.nodes:
         plan = plans[node.name]
-        if node.op not in _WEIGHTED or plan.split is None:
+        w = weighted_op(graph, node) if plan.split is not None else None
+        if w is None:
             continue
-        refs = [r for r in iter_refs((node.args, node.kwargs)) if graph.values[r.name].meta]
-        weight = graph.values[refs[_WEIGHTED[node.op][1]].name]
+        weight = graph.values[w.weight]
         if weight.kind == "param" or weight.producer is None:
             continue
         lay = layouts_for(annotate_node(node, graph), get_rule(node.op), plan.split, plan.ways, plan.blocks)
         if isinstance(lay, str):
             continue
-        need = lay.inputs[_WEIGHTED[node.op][1]]
+        need = lay.inputs[w.weight_index]
         if isinstance(need, Shard) and plans[weight.producer].split is None:
             out[weight.producer] = (need.dim, need.blocks)
     return out

@@ -120,12 +120,21 @@ def _merged_names(
     }
     merged_names = [k for k in model_state_dict if k in is_param]
     nparams = sum(len(g["params"]) for g in optimizer_state_dict["param_groups"])
-    if len(merged_names) != nparams:
+    if len(merged_names) != nparams:  # a fine-tune's optimizer: over the trainable parameters only
+        trainable = [k for k in merged_names if _requires_grad(*full[k])]
+        if len(trainable) == nparams:
+            return trainable
         raise CheckpointError(
             f"load_merged_state_dict: cannot match {nparams} optimizer entries to parameters by position "
-            f"({len(merged_names)} known parameters in the model state dict); save with param_names"
+            f"({len(merged_names)} known parameters in the model state dict, {len(trainable)} of them "
+            "trainable); save with param_names"
         )
     return merged_names
+
+
+def _requires_grad(pm: ParallelModule | None, t: Any) -> bool:
+    """Whether a parameter of `_full_names` trains (a ParallelModule's by its registered tensor)."""
+    return bool((pm._tensor(t.local_name) if pm is not None else t).requires_grad)
 
 
 def _load_merged_optimizer(

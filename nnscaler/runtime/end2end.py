@@ -102,12 +102,15 @@ class EndToEndMixin:
 
     def tied_params(self) -> list[torch.nn.Parameter]:
         """The parameters `sync_tied_grads` sums: the reducer reduces them only after that sum."""
-        return [self._tensor(name) for name in self._tied]
+        return [p for p in (self._tensor(name) for name in self._tied) if p.requires_grad]
 
     def sync_tied_grads(self) -> None:
-        """Sum the gradients of weights that several pipeline stages hold (tied embedding and head)."""
+        """Sum the gradients of weights that several pipeline stages hold (tied embedding and head).
+        A frozen one (`requires_grad=False`, the same on every stage holding it) has none to sum."""
         for name, ranks in self._tied.items():
             param = self._tensor(name)
+            if not param.requires_grad:
+                continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             group = get_group(ranks)

@@ -29,6 +29,7 @@ from torch import nn
 from nnscaler.config import ComputeConfig
 from nnscaler.mesh import ParallelDims
 from nnscaler.runtime import lifecycle, preflight, shapes
+from nnscaler.runtime.constants import load_constants
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.end2end import EndToEndMixin
 from nnscaler.runtime.groups import create_groups, create_host_groups, get_group, get_host_group
@@ -107,9 +108,16 @@ class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, nn.Module
     constants_file: str | None = None
     """Values of the tensors the forward creates from literals (path relative to the generated file):
     always loaded, whatever `init_params` says, since they are part of the code, not the weights."""
+    constant_users: Mapping[str, str] | None = None
+    """Every constant some rank's code uses -> who uses it (e.g. "stage 1 (rank 1)"): the same on every
+    rank, which checks the file holds them all and loads those it registers (nnscaler.runtime.constants)."""
     check_input_agreement: bool = True
     """Before each forward / train_step of a plan over several ranks, check that they all got inputs of
-    the same shapes (one all-gather of an int64; see nnscaler.runtime.preflight). Set False to skip it."""
+    the same shapes and values (one all-gather of three int64; see nnscaler.runtime.preflight). Set False
+    to skip it."""
+    check_input_values: bool = True
+    """With check_input_agreement: compare a checksum of the inputs' values too (on CUDA it waits for the
+    device once per call). Set False to compare shapes only."""
     plan_fingerprint: str | None = None
     """Identifies the plan this code was generated for (the compiler sets it, the same on every rank of
     one compile); checkpoints carry it so pieces of different plans are never merged together."""
@@ -164,7 +172,7 @@ class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, nn.Module
         return self.dims.dp_group(self.rank)
 
     def _preflight(self, what: str, named_inputs: Callable[[], Iterable[tuple[str, Any]]]) -> None:
-        """Before running: refuse without the process group; the ranks of the plan got the same shapes."""
+        """Before running: refuse without the process group; the ranks of the plan got the same inputs."""
         owner = type(self).__name__
         preflight.require_process_group(owner, what, self.rank, self.world_size, self.plan_ngpus)
         if self.plan_ngpus > 1 and self.check_input_agreement:
@@ -176,6 +184,7 @@ class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, nn.Module
                 rank=self.rank,
                 plan_ngpus=self.plan_ngpus,
                 world_size=self.world_size,
+                values=self.check_input_values,
             )
 
     def check_input_structure(self, spec: Any, expected: Any) -> None:
@@ -252,8 +261,12 @@ class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, nn.Module
         *,
         is_param: bool = True,
         persistent: bool = True,
+        requires_grad: bool = True,
     ) -> None:
-        """Register this rank's piece of `original_name` (an empty tensor until `load_shards`)."""
+        """Register this rank's piece of `original_name` (an empty tensor until `load_shards`).
+
+        `requires_grad=False`: a frozen parameter (the user's `requires_grad` when traced). It gets no
+        gradient, no reducer bucket and no optimizer state, and is saved and loaded like any other."""
         if local_name in self.fullmap or original_name in self._local_of or original_name in self.aliases:
             raise ValueError(f"add_shard: {local_name!r} / {original_name!r} registered twice")
         if is_param and not persistent:
@@ -264,7 +277,7 @@ class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, nn.Module
         )
         empty = torch.empty(info.local_shape, dtype=dtype, device="meta")
         if is_param:
-            trainable = dtype.is_floating_point and not self.inference_only
+            trainable = requires_grad and dtype.is_floating_point and not self.inference_only
             self.register_parameter(local_name, nn.Parameter(empty, requires_grad=trainable))
         else:
             self.register_buffer(local_name, empty, persistent=persistent)
@@ -329,12 +342,14 @@ class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, nn.Module
                 )
             else:
                 self._buffers[name] = data
-        constants = self._load_relative(self.constants_file)
-        if constants is not None:
-            self.load_merged_state_dict(constants, strict=False)
+        constants = load_constants(self)  # part of the code: loaded whatever init_params says
         source = self._init_source() if init_params else None
         if source is not None:
-            missing = [i.original_name for i in self.fullmap.values() if self._source_key(source, i) is None]
+            missing = [
+                i.original_name
+                for i in self.fullmap.values()
+                if i.original_name not in constants and self._source_key(source, i) is None
+            ]
             if missing:
                 raise KeyError(f"{type(self).__name__}: the initial weights lack {missing}")
             self.load_merged_state_dict(source, strict=False)

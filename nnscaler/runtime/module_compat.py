@@ -66,7 +66,7 @@ class ModuleCompatMixin:
             covered.update(id(p) for p in red.params)
         me = (dist.get_rank(),) if dist.is_initialized() else (0,)
         for p in self.parameters():  # type: ignore[attr-defined]
-            if id(p) not in covered:
+            if id(p) not in covered and p.requires_grad:  # frozen parameters have no gradient
                 out.append(ParamsInfo(me, [p], [names[id(p)]], 1))
         return out
 

@@ -37,6 +37,8 @@ class GradientsMixin:
     """ZeRO stage 3 (the reducer, once built): hands out gathered parameters (ParallelModule.__getattr__)."""
     _grads_synced: bool
     _norm_owned: list[bool] | None
+    _norm_keys: list | None = None
+    """The pieces `_norm_owned` was computed for."""
     _autotune: BucketAutotuner | None = None
     """`reducer_bucket_autotune`: tries bucket sizes over the first steps (runtime/autotune.py)."""
     _retune = False
@@ -47,9 +49,10 @@ class GradientsMixin:
     # ---- training -------------------------------------------------------------------------------------
 
     def parameters_for_optimizer(self) -> list[nn.Parameter]:
-        """The local parameters, in registration order (what `build_optimizer` hands the optimizer
-        without ZeRO; under ZeRO it hands it this rank's slices of them, so build it that way)."""
-        return list(self.parameters())
+        """The local trainable parameters, in registration order (what `build_optimizer` hands the
+        optimizer without ZeRO; under ZeRO it hands it this rank's slices of them, so build it that
+        way). Frozen parameters (`requires_grad=False`) are left out: they get no optimizer state."""
+        return [p for p in self.parameters() if p.requires_grad]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._reducer is not None:
@@ -76,6 +79,11 @@ class GradientsMixin:
         if red is not None and not red.valid_for(self.parameters_for_optimizer()):
             if red.zero:
                 red.check()
+                if {id(p) for p in self.parameters_for_optimizer()} != {id(p) for p in red.params}:
+                    raise RuntimeError(
+                        f"{type(self).__name__}: a parameter was frozen or unfrozen (requires_grad changed) "
+                        "after the ZeRO reducer was built; set requires_grad before parallelize"
+                    )
                 raise RuntimeError(
                     f"{type(self).__name__}: parameters were replaced after the ZeRO reducer was built"
                 )
@@ -173,19 +181,27 @@ class GradientsMixin:
         if self._reducer is not None:
             self._reducer.gather_params()
 
+    def _norm_params(self) -> list[nn.Parameter]:
+        """The parameters whose gradients count in the gradient norm: the trainable ones."""
+        params = [self._tensor(n) for n, i in self.fullmap.items() if i.is_param]
+        return [p for p in params if p.requires_grad]
+
     def _owned_params(self) -> list[bool]:
-        """For each parameter: does this rank count it in the gradient norm?"""
-        keys = [(i.original_name, i.shard) for i in self.fullmap.values() if i.is_param]
-        if self._norm_owned is None or len(self._norm_owned) != len(keys):
-            self._norm_owned = first_holders(keys, self.group("plan"))
+        """For each of `_norm_params`: does this rank count it in the gradient norm?"""
+        keys = [
+            (i.original_name, i.shard)
+            for n, i in self.fullmap.items()
+            if i.is_param and self._tensor(n).requires_grad
+        ]
+        if self._norm_owned is None or self._norm_keys != keys:  # parameters frozen since: recount
+            self._norm_owned, self._norm_keys = first_holders(keys, self.group("plan")), keys
         return self._norm_owned
 
     def grad_sq_norm(self) -> torch.Tensor:
         """Squared 2-norm of the gradients of one plan copy (each piece counted once), synced first."""
         if not self._grads_synced:
             self.sync_grad()
-        params = [self._tensor(n) for n, i in self.fullmap.items() if i.is_param]
-        owned = [p for p, own in zip(params, self._owned_params()) if own]
+        owned = [p for p, own in zip(self._norm_params(), self._owned_params()) if own]
         red = self._reducer
         if red is not None and red.zero:  # each rank holds the reduced gradients of its slice only
             total = red.owned_sq_norm(owned, device=runtime_device())

@@ -139,8 +139,11 @@ def build_optimizer(
     ParallelModule in `module` must run under it (its reducer is built from it); a mismatch raises.
 
     `module` is a ParallelModule or an nn.Module containing ParallelModules; parameters outside them
-    are averaged over all ranks. The optimizer's `state_dict()` names each parameter (param group
-    key `param_names`, merged state-dict names) so `merge_state_dicts` can rebuild the full state.
+    are averaged over all ranks. Only trainable parameters (`requires_grad`) are given to the
+    optimizer: frozen ones (fine-tuning, LoRA) get no gradient and no optimizer state, and keep their
+    values; a rank holding none (a frozen pipeline stage) gets an optimizer over one empty param group.
+    The optimizer's `state_dict()` names each parameter (param group key `param_names`, merged
+    state-dict names) so `merge_state_dicts` can rebuild the full state.
     `optimizer.clip_gnorm(max_norm=None)` clips over the whole module.
 
     When a ParallelModule runs with ZeRO (`ComputeConfig.use_zero`), the result is a
@@ -162,7 +165,7 @@ def build_optimizer(
     if isinstance(module, ParallelModule):
         params: list[nn.Parameter] = module.parameters_for_optimizer()
     else:
-        params = list(module.parameters())
+        params = [p for p in module.parameters() if p.requires_grad]
     built: list[torch.optim.Optimizer] = []
     sync, clip = _step_hooks(module, built)
     if any(pm.reducer is not None and pm.reducer.zero for _, pm in parallel_modules(module)):
@@ -170,7 +173,10 @@ def build_optimizer(
         _check_fp32_grads(module, zero)
         built.append(zero)
         return zero
-    return _attach(module, optimizer_fn(params, **kwargs), built, sync, clip)
+    # a rank holding no trainable parameter (a frozen pipeline stage): one empty param group, so the
+    # optimizer exists like on the other ranks and its state dict merges with theirs
+    given: list[Any] = list(params) if params else [{"params": []}]
+    return _attach(module, optimizer_fn(given, **kwargs), built, sync, clip)
 
 
 def attach_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -1,13 +1,16 @@
 """Checks before a multi-rank module runs a step: its process group exists, and the ranks of one plan
-got inputs of the same shapes (before their first collective pairs different sizes, which gloo
-aborts on and NCCL may hang on).
+got the same inputs: the same shapes (before their first collective pairs different sizes, which gloo
+aborts on and NCCL may hang on) and the same values (different values of one shape would train a
+wrong model silently: each rank computes its piece of another batch).
 
-The shape check costs one all-gather of a single int64 (a digest of the input shapes) per call: a
-rank cannot skip it when its own shapes repeat, since a peer's may have changed (the last, smaller
-batch of an epoch), and that peer would then pair its check with this rank's first model
-collective. The shapes themselves are gathered only when the digests differ, to name them. The
-exchange runs over a gloo twin of the plan group (groups.create_host_groups) on CPU tensors: on NCCL
-it never makes the host wait for the GPU.
+The check costs one all-gather of three int64 per call: a digest of the input shapes and a checksum of
+the input values (nnscaler.runtime.checksums: integer sums of each tensor's bytes, computed on the
+tensor's device; on CUDA one two-number tensor per device then crosses to the host, which waits for
+the device). A rank cannot skip it when its own inputs repeat, since a peer's may have changed (the
+last, smaller batch of an epoch), and that peer would then pair its check with this rank's first
+model collective. Shapes and per-input checksums are gathered only when the digests differ, to name
+them. The exchange runs over a gloo twin of the plan group (groups.create_host_groups) on CPU tensors.
+Only the ranks of one plan are compared: data-parallel replicas get different batches.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from nnscaler.runtime.checksums import combine_checksums, tensor_checksum
 from nnscaler.runtime.device import is_initialized
 from nnscaler.runtime.host_syncs import host_only
 
@@ -66,12 +70,12 @@ def named_call_inputs(method: Any, args: Sequence[Any], kwargs: dict[str, Any]) 
         return [(f"args[{i}]", a) for i, a in enumerate(args)] + list(kwargs.items())
 
 
-def _tensor_shapes(named: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, tuple[int, ...]]]:
+def _tensors(named: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, value in named:
         leaves, _ = pytree.tree_flatten_with_path(value)
         for path, leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                yield name + pytree.keystr(path), tuple(leaf.shape)
+                yield name + pytree.keystr(path), leaf
 
 
 def _digest(shapes: Sequence[tuple[str, tuple[int, ...]]]) -> int:
@@ -91,25 +95,34 @@ def check_plan_inputs(
     rank: int,
     plan_ngpus: int,
     world_size: int,
+    values: bool = True,
 ) -> None:
     """Raise on every rank of `group` (the ranks running one copy of the plan) unless all got tensors of
-    the same shapes. Collective over `group`, a gloo group (groups.get_host_group): the digests are CPU
-    tensors, so the check never waits for the GPU. A no-op when `group` is None (one rank)."""
+    the same shapes and, with `values`, the same values (compared by checksum). Collective over `group`,
+    a gloo group (groups.get_host_group): the digests are exchanged as CPU tensors. A no-op when `group`
+    is None (one rank)."""
     if group is None:
         return
-    shapes = list(_tensor_shapes(named_inputs))
-    mine = torch.tensor([_digest(shapes)], dtype=torch.int64)
+    tensors = list(_tensors(named_inputs))
+    shapes = [(name, tuple(t.shape)) for name, t in tensors]
+    sums = [tensor_checksum(t) for _, t in tensors] if values else []
+    mine = torch.cat([torch.tensor([_digest(shapes)], dtype=torch.int64), combine_checksums(sums)])
     size = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(gathered, mine, group=group)
     with host_only():  # a CPU tensor under CUDA too: not a device sync
-        agree = len(set(torch.cat(gathered).tolist())) == 1
-    if agree:
+        rows = {tuple(row) for row in torch.stack(gathered).tolist()}
+    if len(rows) == 1:
         return
-    everyone: list[Any] = [None] * size
-    dist.all_gather_object(everyone, shapes, group=group)
     ranks = dist.get_process_group_ranks(group)
-    raise ValueError(_mismatch(owner, what, ranks, everyone, rank, plan_ngpus, world_size))
+    if len({row[0] for row in rows}) > 1:
+        everyone: list[Any] = [None] * size
+        dist.all_gather_object(everyone, shapes, group=group)
+        raise ValueError(_mismatch(owner, what, ranks, everyone, rank, plan_ngpus, world_size))
+    named_sums = [(n, s.cpu().tolist()) for (n, _), s in zip(tensors, sums)]  # read only when they differ
+    gathered_sums: list[Any] = [None] * size
+    dist.all_gather_object(gathered_sums, named_sums, group=group)
+    raise ValueError(_value_mismatch(owner, what, ranks, gathered_sums, rank, plan_ngpus, world_size))
 
 
 def _mismatch(
@@ -135,7 +148,48 @@ def _mismatch(
             found += f" (also different: {', '.join(everyone[0][i][0] for i in differ[1:])})"
     return (
         f"{owner}.{what}: the ranks that run one copy of the plan (global ranks {ranks}) got inputs of different "
-        f"shapes: {found}. Every rank of a plan must get the same batch (their collectives exchange pieces of "
-        f"it): give each data-parallel replica its own data by the data-parallel rank, rank // plan_ngpus "
-        f"(= {rank // plan_ngpus} here, of {world_size // plan_ngpus} replicas), not by the global rank"
+        f"shapes: {found}. {_same_batch(rank, plan_ngpus, world_size)}"
+    )
+
+
+def _same_batch(rank: int, plan_ngpus: int, world_size: int) -> str:
+    return (
+        "Every rank of a plan must get the same batch (their collectives exchange pieces of it): give each "
+        f"data-parallel replica its own data by the data-parallel rank, rank // plan_ngpus (= {rank // plan_ngpus} "
+        f"here, of {world_size // plan_ngpus} replicas), not by the global rank"
+    )
+
+
+def _value_mismatch(
+    owner: str,
+    what: str,
+    ranks: list[int],
+    everyone: list[list[tuple[str, list[int]]]],
+    rank: int,
+    plan_ngpus: int,
+    world_size: int,
+) -> str:
+    """Name the first input whose checksums differ and which ranks hold which value."""
+    counts = {len(s) for s in everyone}
+    differ = [i for i in range(min(counts)) if len({tuple(s[i][1]) for s in everyone}) > 1]
+    if not differ:  # some rank sent no checksums
+        return (
+            f"{owner}.{what}: the ranks that run one copy of the plan (global ranks {ranks}) disagree on "
+            "check_input_values: set it alike on every rank"
+        )
+    first = differ[0]
+    holders: dict[tuple[int, ...], list[int]] = {}
+    for r, s in zip(ranks, everyone):
+        holders.setdefault(tuple(s[first][1]), []).append(r)
+    groups = [f"rank {g[0]} has" if len(g) == 1 else f"ranks {g} have" for g in holders.values()]
+    found = f"{everyone[0][first][0]} differs: {groups[0]} one value, " + ", ".join(
+        f"{g.rsplit(' ', 1)[0]} another" for g in groups[1:]
+    )
+    if len(differ) > 1:
+        found += f" (also different: {', '.join(everyone[0][i][0] for i in differ[1:])})"
+    return (
+        f"{owner}.{what}: the ranks that run one copy of the plan (global ranks {ranks}) got inputs of the same "
+        f"shapes but different values: {found}. {_same_batch(rank, plan_ngpus, world_size)}; random inputs "
+        "must be drawn with the same seed on every rank of a plan. (Compared by a checksum of each input's "
+        "bytes; module.check_input_values = False compares shapes only.)"
     )

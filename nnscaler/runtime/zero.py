@@ -9,8 +9,8 @@ give the same result as on whole parameters. A mixed-precision optimizer (`Mixed
 keeps fp32 masters of the slices only; where the gradient buckets are wider than the parameters
 (`reduce_grads_in_fp32`) a piece's reduced gradient is its `.main_grad`, not its `.grad`.
 
-State dicts are indexed like a plain optimizer's over `module.parameters()` (the order `build_optimizer`
-uses) and list `param_names`; a ZeRO state dict adds `zero_slices`: for each parameter `[start, end]`,
+State dicts are indexed like a plain optimizer's over the trainable parameters (the order
+`build_optimizer` uses: `parameters_for_optimizer()`; frozen parameters have no state) and list `param_names`; a ZeRO state dict adds `zero_slices`: for each parameter `[start, end]`,
 the elements of the flattened local parameter its states cover on this rank (`None`: the whole
 parameter, not sharded). `merge_state_dicts` joins the slices of a ZeRO group back together.
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -11,7 +12,9 @@ from nnscaler.graph.capture.autograd_fn import name_autograd_functions, opaque_a
 from nnscaler.graph.capture.convert import convert_exported
 from nnscaler.graph.capture.export import check_forward_args, export_module, untraced_defaults
 from nnscaler.graph.capture.functionalize import functionalize
+from nnscaler.graph.capture.leaf_modules import capture_with_leaves, mark_leaf_nodes
 from nnscaler.graph.capture.modes import trace_both_modes
+from nnscaler.graph.capture.side_effects import watch_side_effects
 from nnscaler.graph.capture.symbolic import dynamic_shapes_spec
 from nnscaler.graph.ir import Graph
 
@@ -23,6 +26,8 @@ def capture(
     dummy_forward_args: dict[str, Any],
     static_shapes: bool = False,
     both_modes: bool = True,
+    leaf_modules: Sequence[str] = (),
+    auto_leaf_modules: bool = True,
 ) -> Graph:
     """Trace `module(**dummy_forward_args)` into a Graph without touching its weights.
 
@@ -32,6 +37,8 @@ def capture(
     Unless `both_modes` is False, the module is traced in train and in eval mode (twice the time) so
     the program follows train()/eval() at run time; planning alone (`python -m nnscaler.plan`) needs
     only the module's own mode, and its node names are the same.
+    `leaf_modules` (paths or class names) run as one opaque op each; with `auto_leaf_modules`, so does
+    a submodule whose code export refuses as data-dependent (graph/capture/leaf_modules.py).
     """
     forward_args = check_forward_args(module, dummy_forward_args)
     kwargs = {k: dummy_forward_args[k] for k in forward_args}
@@ -39,11 +46,14 @@ def capture(
     kwargs = pytree.tree_map(lambda v: _own_copy(v, device), kwargs)
     dynamic = None if static_shapes else dynamic_shapes_spec(kwargs)
     # custom autograd Functions keep their backward; the program follows train()/eval()
-    with opaque_autograd_functions():
+    # ...and forward's changes to plain attributes (`self.calls += 1`), which no trace keeps, warn
+    with opaque_autograd_functions(), watch_side_effects(module):
         # writes into views become ops on their base (torch's functionalization), in each mode
         export = lambda: functionalize(export_module(module, kwargs, dynamic))  # noqa: E731
-        ep = trace_both_modes(module, export, kwargs) if both_modes else export()  # keeps modes as given
-    graph = name_autograd_functions(convert_exported(ep, module, forward_args))
+        trace = (lambda ex: trace_both_modes(module, ex, kwargs)) if both_modes else (lambda ex: ex())
+        # ...and submodules it cannot capture (named, or failing on data-dependent code) stay opaque
+        ep, leaves = capture_with_leaves(module, kwargs, export, trace, leaf_modules, auto_leaf_modules)
+    graph = mark_leaf_nodes(name_autograd_functions(convert_exported(ep, module, forward_args)), leaves)
     graph.untraced_args = untraced_defaults(module, forward_args)
     graph.static_shapes = static_shapes
     return graph

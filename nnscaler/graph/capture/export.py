@@ -13,9 +13,21 @@ import torch
 from nnscaler.errors import TraceError
 from nnscaler.graph.capture.library_tracing import static_shape_choices
 
-__all__ = ["check_forward_args", "untraced_defaults", "export_module"]
+__all__ = ["check_forward_args", "untraced_defaults", "export_module", "is_data_dependent"]
 
 _LITERALS = (type(None), bool, int, float, str)
+_DATA_DEPENDENT = ("data-dependent", "data dependent", "GuardOnDataDependentSymNode", "Could not guard on")
+
+
+def is_data_dependent(exc: BaseException) -> bool:
+    """Whether a capture failure (or what caused it) is torch.export refusing data-dependent Python."""
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        if any(key in str(exc) for key in _DATA_DEPENDENT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def check_forward_args(module: torch.nn.Module, dummy_forward_args: dict[str, Any]) -> list[str]:
@@ -103,16 +115,7 @@ def export_module(
     except Exception as exc:  # noqa: BLE001 - every capture failure is re-raised with context
         msg = str(exc)
         where = _user_frame(exc)
-        data_dependent = any(
-            key in msg
-            for key in (
-                "data-dependent",
-                "data dependent",
-                "GuardOnDataDependentSymNode",
-                "Could not guard on",
-            )
-        )
-        if data_dependent:
+        if any(key in msg for key in _DATA_DEPENDENT):
             raise TraceError(
                 f"forward has data-dependent control flow at {where}: a Python `if`/loop on tensor values "
                 "cannot be captured. Rewrite it with tensor ops (torch.where, masking) or move the "

@@ -22,6 +22,7 @@ already mean what they say.
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.fx
@@ -77,7 +78,12 @@ def functionalize(ep: torch.export.ExportedProgram) -> torch.export.ExportedProg
     """The program in functional ATen where it writes into activations; as it is otherwise."""
     if not writes_into_activations(ep):
         return ep
-    functional = ep.run_decompositions({})
+    _swap_targets(ep, _KEPT)
+    try:
+        functional = ep.run_decompositions({})
+    finally:
+        _swap_targets(ep, {v: k for k, v in _KEPT.items()})
+    _swap_targets(functional, {v: k for k, v in _KEPT.items()})
     _put_state_updates_in_place(functional)
     _views_as_reshapes(functional)
     _copies_as_values(functional)
@@ -119,6 +125,35 @@ def _views_as_reshapes(ep: torch.export.ExportedProgram) -> None:
         for node in graph.nodes:
             if node.op == "call_function" and node.target in (_aten.view.default, _aten._unsafe_view.default):
                 node.target = _aten.reshape.default
+    ep.graph_module.recompile()
+
+
+def _kept_op(name: str, aten_op: Any) -> Any:
+    """A custom op with `aten_op`'s (input, p, train) schema, which functionalization leaves alone."""
+
+    def run(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+        return aten_op(input, p, train)
+
+    op = torch.library.custom_op(f"nnscaler_capture::{name}", run, mutates_args=())
+    op.register_fake(lambda input, p, train: torch.empty_like(input))
+    return op._opoverload
+
+
+# Ops kept as they are through functionalization. Their decompositions differ by mode (dropout is
+# native_dropout in train mode and a clone in eval mode), and the two modes' programs must keep
+# calling the same op, with `train` the only difference, for the compiled code to follow
+# train()/eval(). Each is hidden behind a custom op of the same schema while torch functionalizes.
+_KEPT = {
+    getattr(_aten, name).default: _kept_op(name, getattr(_aten, name).default)
+    for name in ("dropout", "alpha_dropout", "feature_dropout", "feature_alpha_dropout")
+}
+
+
+def _swap_targets(ep: torch.export.ExportedProgram, targets: dict[Any, Any]) -> None:
+    for graph in _graphs(ep.graph_module):
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target in targets:
+                node.target = targets[node.target]
     ep.graph_module.recompile()
 
 

@@ -15,6 +15,7 @@ from nnscaler.graph.ops import (  # noqa: F401  (each module registers its famil
     moe,
     norm,
     reduce,
+    scatter,
     view,
 )
 from nnscaler.graph.ops.annotation import AnnotationError, DimAnno, OpAnno, TensorAnno, parse_annotation

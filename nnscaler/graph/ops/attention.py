@@ -2,7 +2,9 @@
 
 Grouped-query attention through SDPA's `enable_gqa` (query head `i` reads key/value head
 `i // (query heads / kv heads)`) splits by kv-head group: query heads as `(g r)`, whose first sub-dim
-`g` is a contiguous split, and key/value heads as `g`, so each rank keeps whole groups.
+`g` is a contiguous split, and key/value heads as `g`, so each rank keeps whole groups. Multi-query
+attention (one key/value head, broadcast to every query head) splits the query heads and reads the
+key and value whole on every rank.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from nnscaler.graph.ops.registry import OpCall, rule
 @rule("aten.scaled_dot_product_attention.default", "attention")
 def sdpa(call: OpCall) -> str:
     q, k = call.inputs[0].shape, call.inputs[1].shape
-    grouped = bool(call.arg(7, "enable_gqa", False)) and q[-3] != k[-3]
-    heads = "h" if q[-3] == k[-3] else f"(g {q[-3] // k[-3]})" if grouped else "h^"
-    kv_heads = "h" if q[-3] == k[-3] else "g" if grouped else "g^"
+    shared = k[-3] == 1 and q[-3] > 1  # one key/value head for every query head (multi-query)
+    grouped = bool(call.arg(7, "enable_gqa", False)) and q[-3] != k[-3] and not shared
+    heads = "h" if q[-3] == k[-3] or shared else f"(g {q[-3] // k[-3]})" if grouped else "h^"
+    kv_heads = "h" if q[-3] == k[-3] else "1" if shared else "g" if grouped else "g^"
     lead = "* " if len(q) > 3 else ""
     ins = [f"{lead}{heads} s^ d^", f"{lead}{kv_heads} t^ d^", f"{lead}{kv_heads} t^ e^"]
     if len(call.inputs) > 3:  # attn_mask broadcasts against (*, h, s, t)

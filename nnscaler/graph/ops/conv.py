@@ -11,31 +11,79 @@ def _spatial(prefix: str, n: int) -> list[str]:
     return [f"{prefix}{i}^" for i in range(n)]
 
 
-@rule(
-    [
-        "aten.conv1d.default",
-        "aten.conv2d.default",
-        "aten.conv3d.default",
-        "aten.conv1d.padding",
-        "aten.conv2d.padding",
-        "aten.conv3d.padding",
-    ],
-    "conv",
-)
-def conv(call: OpCall) -> str:
+_CONV = [
+    "aten.conv1d.default",
+    "aten.conv2d.default",
+    "aten.conv3d.default",
+    "aten.conv1d.padding",
+    "aten.conv2d.padding",
+    "aten.conv3d.padding",
+]
+_CONV_TRANSPOSE = [
+    "aten.conv_transpose1d.default",
+    "aten.conv_transpose2d.input",
+    "aten.conv_transpose3d.input",
+]
+_CONVOLUTION = "aten.convolution.default"
+
+
+def _groups_index(op: str) -> tuple[int, str]:
+    """Where `groups` is in the op's arguments (positional index, keyword name)."""
+    return (8, "groups") if op == _CONVOLUTION else (6, "groups")
+
+
+def _transposed(call: OpCall) -> bool:
+    if call.node.op == _CONVOLUTION:
+        return bool(call.arg(6, "transposed", False))
+    return call.node.op in _CONV_TRANSPOSE
+
+
+def _local_groups(args: tuple, kwargs: dict, splits: dict[str, int], index: int) -> tuple[tuple, dict]:
+    """Split on the groups `g`: each device runs groups / devices of them."""
+    ways = splits.get("g")
+    if not ways:
+        return args, kwargs
+    if index < len(args):
+        return (*args[:index], args[index] // ways, *args[index + 1 :]), kwargs
+    return args, {**kwargs, "groups": kwargs["groups"] // ways}
+
+
+@rule(_CONV + _CONV_TRANSPOSE, "conv", local_args=lambda a, k, s: _local_groups(a, k, s, 6))
+def conv(call: OpCall) -> str | tuple[str, dict[str, int]]:
+    """Convolutions: the batch, output channels and (without a bias) input channels split.
+
+    groups == 1: 'n c+ i.., o c+ k.. -> n o s..' (transposed: weight 'c+ o k..'); with a bias the
+    input channels stay whole ('c^'). groups > 1 (grouped, depthwise): channels are '(g ci)' in and
+    '(g co)' out, weight '(g co) ci k..' (transposed '(g ci) co k..'): splitting `g` gives each device
+    whole groups (the local op runs groups / devices of them), `co` a strided part of every group.
+    Spatial dims stay whole.
+    """
     x, w = call.inputs[0].shape, call.inputs[1].shape
     nsp = len(w) - 2
     batched = len(x) == nsp + 2
-    groups = call.arg(6, "groups", 1)
+    index, name = _groups_index(call.node.op)
+    groups = call.arg(index, name, 1)
     has_bias = len(call.inputs) > 2
-    # without a bias the input channels are a reduction dim (partial sums); with one, kept whole
-    c = "c^" if groups != 1 or has_bias else "c+"
-    o = "o^" if groups != 1 else "o"
+    transposed = _transposed(call)
     n = "n " if batched else ""
-    ins = [f"{n}{c} " + " ".join(_spatial("i", nsp)), f"{o} {c} " + " ".join(_spatial("k", nsp))]
-    if has_bias:
-        ins.append(o)
-    return ", ".join(ins) + f" -> {n}{o} " + " ".join(_spatial("s", nsp))
+    sp_in, sp_w, sp_out = (" ".join(_spatial(p, nsp)) for p in ("i", "k", "s"))
+    if groups == 1:
+        # without a bias the input channels are a reduction dim (partial sums); with one, kept whole
+        c = "c^" if has_bias else "c+"
+        weight = f"{c} o {sp_w}" if transposed else f"o {c} {sp_w}"
+        ins = [f"{n}{c} {sp_in}", weight] + (["o"] if has_bias else [])
+        return ", ".join(ins) + f" -> {n}o {sp_out}"
+    ci = "ci^" if has_bias else "ci+"
+    weight = f"(g {ci}) co {sp_w}" if transposed else f"(g co) {ci} {sp_w}"
+    ins = [f"{n}(g {ci}) {sp_in}", weight] + (["(g co)"] if has_bias else [])
+    return ", ".join(ins) + f" -> {n}(g co) {sp_out}", {"g": groups}
+
+
+@rule(_CONVOLUTION, "conv", local_args=lambda a, k, s: _local_groups(a, k, s, 8))
+def convolution(call: OpCall) -> str | tuple[str, dict[str, int]]:
+    """aten.convolution (input, weight, bias, stride, padding, dilation, transposed, output_padding,
+    groups): annotated as conv / conv_transpose."""
+    return conv(call)
 
 
 @rule(

@@ -20,7 +20,6 @@ from nnscaler.graph.ops.registry import OpCall, rule
         "aten.new_full.default",
         "aten.new_empty.default",
         "aten.scalar_tensor.default",
-        "aten.tensor.default",
         "aten.rand.default",
         "aten.randn.default",
         "aten.linspace.default",

@@ -84,7 +84,6 @@ UNARY_AND_BINARY = [
     "aten.ones_like.default",
     "aten.full_like.default",
     "aten.empty_like.default",
-    "aten.float.default",
     "aten.isnan.default",
     "aten.isinf.default",
     "aten.sign.default",
@@ -115,12 +114,24 @@ UNARY_AND_BINARY = [
 ]
 
 
+_DTYPE_ONLY = {"aten.to.other", "aten.type_as.default"}
+"""Ops whose second tensor gives only a dtype (and device), whatever its shape."""
+
+
+def _broadcasts(shape: tuple[int, ...], out: tuple[int, ...]) -> bool:
+    offset = len(out) - len(shape)
+    return offset >= 0 and all(s in (1, out[i + offset]) for i, s in enumerate(shape))
+
+
 @rule(UNARY_AND_BINARY, "elementwise")
 def elementwise(call: OpCall) -> str:
     out = call.outputs[0].shape
     out_ids = letters(len(out))
-    ins = broadcast_inputs(out, [m.shape for m in call.inputs], out_ids)
-    return ", ".join(ins) + " -> " + " ".join(out_ids)
+    shapes = [m.shape for m in call.inputs]
+    # a dtype-giving tensor of another shape (x.type_as(y)) is read whole: '?'
+    whole = [k == 1 and call.node.op in _DTYPE_ONLY and not _broadcasts(s, out) for k, s in enumerate(shapes)]
+    texts = iter(broadcast_inputs(out, [s for s, w in zip(shapes, whole) if not w], out_ids))
+    return ", ".join("?" if w else next(texts) for w in whole) + " -> " + " ".join(out_ids)
 
 
 @rule(

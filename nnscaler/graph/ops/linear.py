@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nnscaler.graph.ops._letters import letters
+from nnscaler.graph.ops._letters import broadcast_inputs, letters
 from nnscaler.graph.ops.registry import OpCall, fixed, rule
 
 
@@ -13,7 +13,15 @@ def linear(call: OpCall) -> str:
     return "* k+, n k+ -> * n"
 
 
-fixed("aten.addmm.default", "linear", "n, m k+, k+ n -> m n", bias_input=0)
+@rule("aten.addmm.default", "linear", bias_input=0)
+def addmm(call: OpCall) -> str:
+    """beta * bias + alpha * (m1 @ m2); the bias broadcasts to (m, n). Split on k, the partition adds the
+    bias once after the reduction, unscaled, so k splits only where beta and alpha are 1."""
+    (bias,) = broadcast_inputs(call.outputs[0].shape, [call.inputs[0].shape], ["m", "n"])
+    k = "k+" if call.arg(3, "beta", 1) == 1 and call.arg(4, "alpha", 1) == 1 else "k^"
+    return f"{bias}, m {k}, {k} n -> m n"
+
+
 fixed("aten.mm.default", "linear", "m k+, k+ n -> m n")
 fixed("aten.bmm.default", "linear", "b m k+, b k+ n -> b m n")
 

@@ -70,6 +70,9 @@ class OpRule:
     """Identifier -> special local code when the op is split on that identifier."""
     shape_args: bool = False
     """The op takes its output shape as an argument (view, reshape, expand...): localised on split."""
+    local_args: Callable[[tuple, dict[str, Any], dict[str, int]], tuple[tuple, dict[str, Any]]] | None = None
+    """Non-tensor arguments that change when split (conv's groups): (args, kwargs, {identifier split:
+    devices}) -> the local (args, kwargs)."""
 
 
 _RULES: dict[str, OpRule] = {}

@@ -91,6 +91,7 @@ def layouts_for(bound: BoundAnno, rule, ident: str | None, ways: int, blocks: in
     """Layouts of a node split per (ident, ways, blocks), honouring the rule's specials and bias.
 
     Replicated (ident None or ways 1): every tensor input and output is Replicate.
+    A split with special local code (vocab-parallel embedding, cross entropy) takes contiguous pieces.
     A split on a '+' dim of an op with a bias: the bias is added once after the reduction, so the
     output is Replicate (the local op runs without bias, then all-reduce, then the bias add).
     """
@@ -103,6 +104,9 @@ def layouts_for(bound: BoundAnno, rule, ident: str | None, ways: int, blocks: in
     if isinstance(result, str):
         return result
     special = rule.specials.get(ident) if rule is not None else None
+    if special is not None and blocks > 1:
+        # the helpers get this rank's contiguous range (vocab_start = rank * size / ways)
+        return f"a split on {ident!r} runs {special.emit}, which takes contiguous pieces: blocks must be 1"
     if special is not None and special.output == "replicate":
         return SplitLayouts(result.inputs, [None if o is None else Replicate() for o in result.outputs])
     if rule is not None and rule.bias_input is not None and bound.anno.flag_of(ident) == "+":

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from nnscaler.graph.ops._letters import letters
+from itertools import accumulate
+from operator import mul
+
+from nnscaler.graph.ops._letters import broadcast_inputs, letters
 from nnscaler.graph.ops.registry import OpCall, rule
 
 
@@ -64,8 +67,9 @@ def reshape(call: OpCall) -> tuple[str, dict[str, int]]:
     sizes: dict[str, int] = {}
     if groups is None:  # no factorisation: nothing splits
         ids = letters(len(src) + len(dst))
+        out_text = " ".join(x + "^" for x in ids[len(src) :])
         return (
-            " ".join(x + "^" for x in ids[: len(src)]) + " -> " + " ".join(x + "^" for x in ids[len(src) :]),
+            " ".join(x + "^" for x in ids[: len(src)]) + _shape_from(call, out_text) + " -> " + out_text,
             dict(zip(ids, list(src) + list(dst))),
         )
     names = iter(letters(len(src) + len(dst) + 2))
@@ -87,14 +91,77 @@ def reshape(call: OpCall) -> tuple[str, dict[str, int]]:
             composite = "(" + " ".join(subs) + ")" if len(subs) > 1 else subs[0]
             target = out_ids if fine_ids is in_ids else in_ids
             target[coarse[0]] = composite
-        else:  # many-to-many: keep whole
+        else:  # many-to-many: the sub-dims both sides agree on, e.g. 'b (h d) -> (b h) d'; else whole
+            refined = _refine([src[i] for i in gi], [dst[j] for j in gj])
+            if refined is not None:
+                subs = [next(names) for _ in refined[2]]
+                sizes.update(zip(subs, refined[2]))
+                for ids, dims, parts in ((in_ids, gi, refined[0]), (out_ids, gj, refined[1])):
+                    for d, (lo, hi) in zip(dims, parts):
+                        ids[d] = subs[lo] if hi - lo == 1 else "(" + " ".join(subs[lo:hi]) + ")"
+                continue
             for i in gi:
                 in_ids[i] = next(names) + "^"
                 sizes[in_ids[i][:-1]] = src[i]
             for j in gj:
                 out_ids[j] = next(names) + "^"
                 sizes[out_ids[j][:-1]] = dst[j]
-    return " ".join(in_ids) + " -> " + " ".join(out_ids), sizes
+    for i in _squeeze_kept(call):
+        in_ids[i] += "" if in_ids[i].endswith("^") else "^"
+    out_text = " ".join(out_ids)
+    return " ".join(in_ids) + _shape_from(call, out_text) + " -> " + out_text, sizes
+
+
+def _refine(
+    a: list[int], b: list[int]
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[int]] | None:
+    """The common refinement of two factorisations of one size: the sub-dim sizes, and for each dim of
+    `a` and of `b` its range of sub-dims; None when one side's boundary does not divide the other's
+    (a (4, 6) -> (6, 4) reshape has no common sub-dims) or a dim is 1."""
+    if 1 in a or 1 in b:
+        return None
+    cuts = sorted(set(accumulate(a, mul)) | set(accumulate(b, mul)))
+    subs, prev = [], 1
+    for cut in cuts:
+        if cut % prev:
+            return None
+        subs.append(cut // prev)
+        prev = cut
+
+    def ranges(sizes: list[int]) -> list[tuple[int, int]]:
+        out, k = [], 0
+        for size in sizes:
+            lo, prod = k, 1
+            while prod < size:
+                prod *= subs[k]
+                k += 1
+            out.append((lo, k))
+        return out
+
+    return ranges(a), ranges(b), subs
+
+
+def _squeeze_kept(call: OpCall) -> list[int]:
+    """Dims a squeeze names (all for squeeze()) that it keeps, being larger than 1: split to 1 per
+    device, the local squeeze would drop them, so they stay whole."""
+    shape = call.inputs[0].shape
+    op = call.node.op
+    if not shape:
+        return []
+    if op == "aten.squeeze.default":
+        named = range(len(shape))
+    elif op in ("aten.squeeze.dim", "aten.squeeze.dims"):
+        dims = call.arg(1, "dim")
+        named = [d % len(shape) for d in ([dims] if isinstance(dims, int) else dims)]
+    else:
+        return []
+    return [d for d in named if shape[d] != 1]
+
+
+def _shape_from(call: OpCall, out_text: str) -> str:
+    """view_as / reshape_as / expand_as take the output shape from a second tensor of that shape: it
+    splits as the output does, so the local op gets the local shape."""
+    return f", {out_text}" if len(call.inputs) > 1 else ""
 
 
 @rule(["aten.expand.default", "aten.expand_as.default"], "view", shape_args=True)
@@ -103,8 +170,8 @@ def expand(call: OpCall) -> str:
     out_ids = letters(len(dst))
     offset = len(dst) - len(src)
     in_ids = [("1" if s == 1 and dst[i + offset] != 1 else out_ids[i + offset]) for i, s in enumerate(src)]
-    ins = [" ".join(in_ids)] + (["?"] if len(call.inputs) > 1 else [])
-    return ", ".join(ins) + " -> " + " ".join(out_ids)
+    out_text = " ".join(out_ids)
+    return " ".join(in_ids) + _shape_from(call, out_text) + " -> " + out_text
 
 
 @rule(["aten.transpose.int", "aten.permute.default", "aten.t.default", "aten.movedim.int"], "view")
@@ -135,24 +202,41 @@ def _block_dim(call: OpCall, dim: int, pieces: int) -> str:
     return " ".join(in_ids) + " -> " + ", ".join(" ".join(ids) for _ in range(len(call.outputs)))
 
 
-@rule(["aten.split.Tensor", "aten.chunk.default", "aten.split_with_sizes.default", "aten.unbind.int"], "view")
+_SPLITS = [
+    "aten.split.Tensor",
+    "aten.chunk.default",
+    "aten.split_with_sizes.default",
+    "aten.unbind.int",
+    "aten.tensor_split.sections",
+    "aten.tensor_split.indices",
+]
+
+
+@rule(_SPLITS, "view")
 def split(call: OpCall) -> str:
+    """Pieces along one dim. Equal pieces that cover it: '(k c) -> c, c, ...', so the dim itself may
+    be split (each device keeps its part of every piece; split sizes are localised). Unequal pieces
+    (torch.split(x, [16, 24, 24], -1)): the cut dim stays whole, each piece has its own identifier
+    for it ('c^ -> c_0^, c_1^, c_2^'), and every other dim splits alike in the input and all pieces.
+    unbind drops the dim: 'a b^ c -> a c, a c'."""
     shape = call.inputs[0].shape
-    dim = call.arg(2, "dim", 0) if call.node.op != "aten.unbind.int" else call.arg(1, "dim", 0)
-    dim %= len(shape)
+    op = call.node.op
+    dim = (call.arg(1, "dim", 0) if op == "aten.unbind.int" else call.arg(2, "dim", 0)) % len(shape)
+    ids = letters(len(shape))
     outs = [m.shape for m in call.outputs]
-    if (
-        call.node.op == "aten.unbind.int"
-        or len({o[dim] for o in outs}) != 1
-        or outs[0][dim] * len(outs) != shape[dim]
-    ):
-        ids = letters(len(shape))
+    if op == "aten.unbind.int":
         in_ids = [x + ("^" if i == dim else "") for i, x in enumerate(ids)]
-        outs_text = [
-            " ".join(x + ("^" if i == dim else "") for i, x in enumerate(letters(len(o), 20))) for o in outs
-        ]
-        return " ".join(in_ids) + " -> " + ", ".join(outs_text)
-    return _block_dim(call, dim, len(outs))
+        piece = " ".join(x for i, x in enumerate(ids) if i != dim)
+        return " ".join(in_ids) + " -> " + ", ".join(piece for _ in outs)
+    sizes = [o[dim] for o in outs]
+    equal = len(set(sizes)) == 1 and sizes[0] * len(outs) == shape[dim]
+    if equal and op != "aten.tensor_split.indices":
+        return _block_dim(call, dim, len(outs))
+    in_ids = [x + ("^" if i == dim else "") for i, x in enumerate(ids)]
+    pieces = []
+    for k in range(len(outs)):
+        pieces.append(" ".join(f"{x}_{k}^" if i == dim else x for i, x in enumerate(ids)))
+    return " ".join(in_ids) + " -> " + ", ".join(pieces)
 
 
 def _dim_frozen(call: OpCall, dim: int, in_rank: int, out_rank: int) -> str:
@@ -201,9 +285,34 @@ def cat(call: OpCall) -> str:
     return ", ".join(texts) + " -> " + " ".join(out_ids)
 
 
+@rule("aten.index.Tensor", "view")
+def index(call: OpCall) -> str:
+    """x[:, :, idx]: the dims the index tensors address stay whole, the others split as in x, and the
+    index tensors' (broadcast) dims split as the output's. Adjacent indexed dims put the index dims in
+    their place, indexed dims apart put them first (as torch does). Bool masks (sizes that depend on
+    the data) keep everything whole."""
+    x = call.inputs[0].shape
+    indices = list(call.arg(1, "indices", []))
+    tensors = call.inputs[1:]
+    where = [k for k, i in enumerate(indices) if i is not None]
+    if not where or len(where) != len(tensors) or any(m.dtype in ("bool", "uint8") for m in tensors):
+        return whole(call)
+    ids = letters(len(x))
+    out = call.outputs[0].shape
+    kept = [x_id for k, x_id in enumerate(ids) if k not in where]
+    idx_ids = letters(len(out) - len(kept), len(x))
+    first = where[0] if where == list(range(where[0], where[-1] + 1)) else 0  # where the index dims go
+    idx_texts = broadcast_inputs(
+        tuple(out[first : first + len(idx_ids)]), [m.shape for m in tensors], idx_ids
+    )
+    x_text = " ".join(x_id + ("^" if k in where else "") for k, x_id in enumerate(ids))
+    out_ids = [x_id for k, x_id in enumerate(ids) if k < first and k not in where]
+    out_ids += idx_ids + [x_id for k, x_id in enumerate(ids) if k >= first and k not in where]
+    return ", ".join([x_text, *idx_texts]) + " -> " + " ".join(out_ids)
+
+
 @rule(
     [
-        "aten.index.Tensor",
         "aten.gather.default",
         "aten.index_select.default",
         "aten.diff.default",
@@ -213,18 +322,13 @@ def cat(call: OpCall) -> str:
         "aten.flip.default",
         "aten.repeat.default",
         "aten.repeat_interleave.self_int",
-        "aten.scatter.src",
-        "aten.scatter_add.default",
         "aten.nonzero.default",
         "aten.topk.default",
         "aten.sort.default",
         "aten.histc.default",
-        "aten.index_put.default",
         "aten.index_put_.default",
         "aten.bincount.default",
         "aten.searchsorted.Tensor",
-        "aten.index_add.default",
-        "aten.index_copy.default",
         "aten.masked_scatter.default",
         "aten.argsort.default",
         "aten.one_hot.default",

@@ -1,0 +1,322 @@
+"""Opaque leaf modules: a submodule the trace cannot capture runs as one op, eagerly, in generated code.
+
+A leaf is chosen two ways. The user names it: `pas_config={"leaf_modules": ["visual"]}` (module paths
+or class names). Or capture finds it: when torch.export fails on data-dependent Python (`for n in
+sizes.tolist()`), the innermost submodule on the failing call stack whose forward takes and returns
+tensors (pytrees of tensors and literals) becomes a leaf and the export is retried, as often as it
+takes. Each leaf traces as one `nnscaler_leaf::call` node (leaf_op.py) taking its tensor arguments and
+its parameters and buffers (lifted under their original names, so checkpoints, merges and the
+gradient reducer see them); the plan replicates it; generated code calls `nnscaler.runtime.leaf.call`,
+which runs the module with `torch.func.functional_call` on the generated module's own tensors, so
+autograd gives its parameters their gradients. A LeafModuleWarning names every leaf and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import io
+import json
+import re
+import sys
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from nnscaler.errors import ConfigError, TraceError
+from nnscaler.graph.capture.export import is_data_dependent
+from nnscaler.graph.capture.leaf_op import (
+    LEAF_OP,
+    CallRecord,
+    LeafSession,
+    LeafUnsuitable,
+    TensorSlot,
+    describe_io,
+    leaf_session,
+)
+from nnscaler.graph.ir import Graph
+
+__all__ = ["LeafModuleWarning", "resolve_leaf_modules", "capture_with_leaves", "mark_leaf_nodes"]
+
+_MAX_RETRIES = 16
+
+
+class LeafModuleWarning(UserWarning):
+    """A submodule runs as one opaque op (eager PyTorch, replicated on every device of the plan)."""
+
+
+def resolve_leaf_modules(root: torch.nn.Module, names: Sequence[str]) -> dict[str, str]:
+    """Module path -> why, for each name (a module path, or a class name: every outermost submodule
+    of that class). A name that matches nothing raises ConfigError naming it and the closest paths."""
+    modules = dict(root.named_modules())
+    chosen: dict[str, str] = {}
+    for name in names:
+        if name in modules and name != "":
+            chosen[name] = "named in pas_config['leaf_modules']"
+            continue
+        by_class = [
+            p
+            for p, m in modules.items()
+            if p
+            and name
+            in (type(m).__name__, type(m).__qualname__, f"{type(m).__module__}.{type(m).__qualname__}")
+        ]
+        if not by_class:
+            close = difflib.get_close_matches(name, [p for p in modules if p], n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise ConfigError(
+                f"pas_config['leaf_modules'] names {name!r}, which is neither a submodule path (as in "
+                f"model.named_modules(), e.g. 'model.visual') nor the class name of a submodule of "
+                f"{type(root).__name__}{hint}"
+            )
+        for path in by_class:
+            chosen[path] = f"its class {name} is named in pas_config['leaf_modules']"
+    return chosen
+
+
+def _outermost(paths: Sequence[str]) -> list[str]:
+    return [p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p)]
+
+
+def _record_calls(root: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, list[CallRecord]] | None:
+    """Every submodule call of one real forward on the dummy inputs (no grad; RNG and buffers restored).
+    None when the weights or inputs are on the meta device, or forward fails eagerly."""
+    tensors = [*root.parameters(), *root.buffers(), *pytree.tree_leaves(kwargs)]
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors):
+        return None
+    records: dict[str, list[CallRecord]] = {}
+
+    def hook(path: str):
+        def record(module, args, kw, output) -> None:
+            leaves, spec = pytree.tree_flatten(output)
+            slots = tuple(
+                TensorSlot(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves
+            )
+            why = describe_io((args, kw), "its arguments") or describe_io(output, "its output")
+            records.setdefault(path, []).append(CallRecord(spec, slots, why))
+
+        return record
+
+    handles = [m.register_forward_hook(hook(p), with_kwargs=True) for p, m in root.named_modules() if p]
+    saved = {n: b.detach().clone() for n, b in root.named_buffers()}
+    cuda = sorted({t.device.index or 0 for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda})
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            root(**kwargs)
+    except Exception:  # noqa: BLE001 - no records: output sizes must then follow from input sizes
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+        with torch.no_grad():
+            for n, b in root.named_buffers():
+                if n in saved:
+                    b.copy_(saved[n])
+    return records
+
+
+def _user_line(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    for f in reversed(frames):
+        if "/torch/" not in f.filename and "/nnscaler/" not in f.filename:
+            return f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} `{(f.line or '').strip()}`"
+    return "an unknown line"
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    while exc is not None and exc not in out:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def _stack_modules(exc: BaseException, root: torch.nn.Module) -> list[str]:
+    """Paths of the submodules whose code is on the failing call stack, innermost first."""
+    paths = {id(m): p for p, m in root.named_modules() if p}
+    found: list[str] = []
+    for cause in _causes(exc):
+        for frame, _ in traceback.walk_tb(cause.__traceback__):
+            path = paths.get(id(frame.f_locals.get("self")))
+            if path is not None and path not in found:
+                found.append(path)
+    return found[::-1]
+
+
+def _suitable(path: str, records: dict[str, list[CallRecord]] | None) -> bool:
+    calls = (records or {}).get(path)
+    return records is None or (bool(calls) and not any(c.unsuitable for c in calls))
+
+
+def _reads_values(program: Any) -> tuple[list[str], str] | None:
+    """A traced program that computes with tensor values as Python numbers (`.tolist()`, `.item()`): the
+    paths of the submodules around the first such node (innermost first) and its source line."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    if not isinstance(program, torch.export.ExportedProgram):
+        return None
+    for node in program.graph.nodes:
+        if not any(free_unbacked_symbols(v) for v in pytree.tree_leaves(node.meta.get("val"))):
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        paths = [str(p) for p, _ in stack.values() if p][::-1]
+        lines = re.findall(
+            r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', node.meta.get("stack_trace") or ""
+        )
+        user = [m for m in lines if "/torch/" not in m[0] and "/nnscaler/" not in m[0]]
+        where = (
+            f"{user[-1][0].rsplit('/', 1)[-1]}:{user[-1][1]} `{user[-1][2].strip()}`"
+            if user
+            else "an unknown line"
+        )
+        return paths, where
+    return None
+
+
+class _ReadsValues(TraceError):
+    """An export that worked computes with tensor values as Python numbers: (paths, source line)."""
+
+    def __init__(self, found: tuple[list[str], str]):
+        super().__init__(f"the program reads tensor values at {found[1]}")
+        self.found = found
+
+
+def _checked(export: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        program = export()
+        found = _reads_values(program)
+        if found is not None:  # before the other mode's export: it would only read them again
+            raise _ReadsValues(found)
+        return program
+
+    return run
+
+
+def capture_with_leaves(
+    root: torch.nn.Module,
+    kwargs: dict[str, Any],
+    export: Callable[[], Any],
+    trace: Callable[[Callable[[], Any]], Any] = lambda export: export(),
+    leaf_modules: Sequence[str] = (),
+    auto: bool = True,
+) -> tuple[Any, dict[str, str]]:
+    """`trace(export)` (one export, or one per mode) with the named leaves opaque, adding a leaf and
+    retrying after each data-dependent failure inside a submodule (when `auto`). Returns what trace
+    returned and {leaf path: why}."""
+    chosen = resolve_leaf_modules(root, leaf_modules)
+    named = set(chosen)
+    fallbacks: dict[str, list[str]] = {}  # an automatic leaf -> the next candidates of its failure
+    session, recorded = LeafSession(), False
+    for _ in range(_MAX_RETRIES):
+        paths = _outermost(list(chosen))
+        session.leaves = {p: root.get_submodule(p) for p in paths}
+        if paths and not recorded:  # one real run serves every leaf found later
+            session.records, recorded = _record_calls(root, kwargs), True
+        held, retry = io.StringIO(), False  # torch prints the partial graph of a failed export to stderr
+        try:
+            failure: TraceError | None = None
+            try:
+                with leaf_session(session), contextlib.redirect_stderr(held):
+                    result = trace(_checked(export))
+            except _ReadsValues as exc:
+                found = exc.found
+                if not auto:
+                    raise TraceError(_reads_values_message(found[1], "auto_leaf_modules is False")) from None
+            except TraceError as exc:
+                unsuitable = next((e for e in _causes(exc) if isinstance(e, LeafUnsuitable)), None)
+                if unsuitable is not None:
+                    bad = next(
+                        (p for p in paths if p not in named and str(unsuitable).startswith(p + " ")), None
+                    )
+                    if bad is None or not fallbacks.get(bad):
+                        raise unsuitable from exc
+                    nxt, *rest = fallbacks.pop(bad)  # the next module out from the same failure
+                    chosen[nxt], fallbacks[nxt] = chosen.pop(bad), rest
+                    retry = True
+                    continue
+                if not auto or not is_data_dependent(exc):
+                    raise
+                found, failure = (_stack_modules(exc, root), _user_line(_causes(exc)[-1])), exc
+            else:
+                used = {p: chosen[p] for p in paths if p in session.called}
+                _warn(root, used, session.fixed)
+                return result, used
+            around = [
+                p for p in found[0] if p not in chosen and not any(p.startswith(q + ".") for q in chosen)
+            ]
+            if around and not recorded:  # which of them take and return tensors: one real run says
+                session.records, recorded = _record_calls(root, kwargs), True
+            candidates = [p for p in around if _suitable(p, session.records)]
+            if not candidates and failure is not None:
+                raise failure
+            if not candidates:
+                raise TraceError(
+                    _reads_values_message(found[1], "no submodule around it can run as an opaque op")
+                )
+            chosen[candidates[0]] = f"forward has data-dependent control flow at {found[1]}"
+            fallbacks[candidates[0]] = candidates[1:]
+            retry = True
+        finally:
+            if not retry:  # what this attempt printed is the user's to see; a retried one's is not
+                sys.stderr.write(held.getvalue())
+    raise TraceError(f"capture gave up after making {len(chosen)} submodules opaque: {sorted(chosen)}")
+
+
+def _reads_values_message(where: str, why: str) -> str:
+    return (
+        f"forward has data-dependent control flow at {where}: it computes with tensor values as Python numbers "
+        f"(`.tolist()`, `.item()`, a loop or `if` on them), which the compiled code cannot follow, and {why}. "
+        "Rewrite it with tensor ops (torch.where, masking), or name the submodule that holds it in "
+        "pas_config['leaf_modules'] to run it eagerly as one op (docs/inputs.md)"
+    )
+
+
+def _warn(root: torch.nn.Module, leaves: dict[str, str], fixed: set[str]) -> None:
+    for path, why in leaves.items():
+        module = root.get_submodule(path)
+        params = list(module.parameters())
+        numel = sum(p.numel() for p in params)
+        how = (
+            "name it in pas_config['leaf_modules'] to skip the failed trace, or rewrite that code with tensor ops "
+            "to let it split"
+            if "data-dependent" in why
+            else "remove it from pas_config['leaf_modules'] to let it split"
+        )
+        sizes = (
+            ". Its output sizes depend on input values: they are fixed to those of the dummy inputs"
+            if path in fixed
+            else ""
+        )
+        warnings.warn(
+            f"{path} ({type(module).__name__}) runs as one opaque op: {why}. Generated code runs it eagerly "
+            f"(PyTorch autograd) on every device of the plan, so its computation and its {len(params)} "
+            f"parameters ({numel} elements) are replicated, not split; {how}{sizes}",
+            LeafModuleWarning,
+            stacklevel=4,
+        )
+
+
+def mark_leaf_nodes(graph: Graph, leaves: dict[str, str]) -> Graph:
+    """Give each leaf node its flat tensor arguments (inputs, then state) and what codegen needs."""
+    for node in graph.nodes:
+        if node.op != LEAF_OP:
+            continue
+        path, spec, inputs, state = node.args
+        info = json.loads(spec)
+        node.args = (*inputs, *state)
+        node.kwargs = {
+            "leaf": path,
+            "in_spec": info["in_spec"],
+            "constants": info["constants"],
+            "inputs": len(inputs),
+            "state": info["state"],
+            "why": leaves.get(path, ""),
+        }
+        node.module_path = path
+        node.source = info.get("source") or node.source
+        node.module_class = graph.module_classes.get(path, node.module_class)
+    return graph

@@ -1,0 +1,88 @@
+"""Opaque leaf modules at run time: a submodule the compiler could not trace runs eagerly, as one op.
+
+Generated code calls `call(self, "model.visual", pixel_values, grid_thw=image_grid_thw)` where the
+model called `self.visual(pixel_values, grid_thw=image_grid_thw)`. The generated module holds the
+leaf's parameters and buffers under their original names (registered like any other weight, whole on
+every rank: the plan replicates a leaf), and a copy of the leaf's structure (its code and
+attributes, its tensors on the meta device), attached by `parallelize` from the user's model
+(`attach_leaf_modules`). `call` runs that copy with `torch.func.functional_call` on the generated
+module's tensors, so autograd gives them their gradients and the gradient reducer, optimizers and
+checkpoints see nothing special.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["call", "attach_leaf_modules", "structure_copy"]
+
+_ATTR = "_nnscaler_leaf_modules"
+
+
+def structure_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of `module` whose parameters and buffers are empty meta tensors (no memory)."""
+    memo: dict[int, Any] = {}
+    for t in (*module.parameters(), *module.buffers()):
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = (
+            torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+        )
+    return copy.deepcopy(module, memo)
+
+
+def attach_leaf_modules(target: torch.nn.Module | type, source: torch.nn.Module) -> None:
+    """Give a generated module (or class) a structure copy of each leaf module it runs
+    (`target.leaf_modules`, paths in `source`, the model given to parallelize). No leaves: nothing."""
+    paths = getattr(target, "leaf_modules", ())
+    if not paths:
+        return
+    copies = {}
+    for path in paths:
+        try:
+            sub = source.get_submodule(path)
+        except AttributeError:
+            raise ValueError(
+                f"the generated module runs {path!r} eagerly (an opaque leaf module), but "
+                f"{type(source).__name__} has no such submodule: attach the model it was compiled from"
+            ) from None
+        copies[path] = structure_copy(sub)
+    if isinstance(target, type):
+        setattr(target, _ATTR, copies)
+    else:
+        target.__dict__[_ATTR] = copies  # a plain attribute: not a submodule, its tensors are not ours
+
+
+def _state(owner: torch.nn.Module, path: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The leaf's parameters and buffers as the generated module holds them, by relative name."""
+    local_of, aliases = owner._local_of, owner.aliases
+    state = {}
+    for rel, _ in (*module.named_parameters(), *module.named_buffers()):
+        original = f"{path}.{rel}"
+        local = local_of.get(original) or local_of.get(aliases.get(original, ""))
+        if local is None:
+            raise RuntimeError(
+                f"{type(owner).__name__} holds no {original!r}, which the opaque leaf module {path} needs: the "
+                "module it was given is not the one compiled (regenerate with reuse='override')"
+            )
+        state[rel] = getattr(owner, local)
+    return state
+
+
+def call(owner: torch.nn.Module, path: str, /, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+    """Run leaf module `path` of `owner` on (args, kwargs); the tensors of its output, flattened."""
+    modules = getattr(owner, _ATTR, None)
+    if not modules or path not in modules:
+        raise RuntimeError(
+            f"{type(owner).__name__} runs {path!r} eagerly (an opaque leaf module) but has no copy of it: "
+            "parallelize attaches it; a generated class built by hand needs "
+            "nnscaler.runtime.leaf.attach_leaf_modules(module_or_class, model) first"
+        )
+    module = modules[path]
+    if module.training != owner.training:
+        module.train(owner.training)
+    out = torch.func.functional_call(module, _state(owner, path, module), args, kwargs)
+    return tuple(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
