@@ -336,7 +336,13 @@ NORM: dict[str, Maker] = {
     "instance_norm.default": cases(
         lambda d: [(d.f(6, 12, 5), d.f(12), d.f(12), None, None, True, 0.1, 1e-5, False)]
     ),
-    "group_norm.default": cases(lambda d: [(d.f(d.n(), 12, 5), 3, d.f(12), d.f(12), 1e-5, False)]),
+    "group_norm.default": cases(
+        lambda d: [
+            (d.f(d.n(), 12, 5), 3, d.f(12), d.f(12), 1e-5, False),
+            (d.f(d.n(), 12, 2, 3), 6, d.f(12), d.f(12), 1e-5, False),  # 2 and 3 ways split the groups
+            (d.f(d.n(), 6, 4), 1, None, None, 1e-5, False),
+        ]
+    ),
 }
 
 
@@ -374,6 +380,11 @@ def _pool(nsp: int, *extra: list) -> Maker:
     return cases(lambda d: [(d.f(*d.shape(2), *[4] * nsp), *extra), (d.f(d.n(), *[4] * nsp), *extra)])
 
 
+def _upsample(nsp: int, *extra) -> Maker:
+    """(batch, channels, spatial..): resampling has no unbatched form."""
+    return cases(lambda d: [(d.f(*d.shape(2), *[4] * nsp), *extra)])
+
+
 CONV: dict[str, Maker] = {
     **{f"conv{k}d.default": _conv(k) for k in (1, 2, 3)},
     **{f"conv{k}d.padding": _conv(k, "same") for k in (1, 2, 3)},
@@ -385,6 +396,11 @@ CONV: dict[str, Maker] = {
     **{f"avg_pool{k}d.default": _pool(k, [2] * k, [1] * k) for k in (1, 2, 3)},
     **{f"adaptive_avg_pool{k}d.default": _pool(k, [3] * k) for k in (1, 2, 3)},
     "adaptive_max_pool2d.default": _pool(2, [3, 2]),
+    **{f"upsample_nearest{k}d.vec": _upsample(k, None, [2.0] * k) for k in (1, 2, 3)},
+    "upsample_linear1d.vec": _upsample(1, None, False, [2.0]),
+    "upsample_bilinear2d.vec": _upsample(2, None, True, [2.0, 1.5]),
+    "upsample_bicubic2d.vec": _upsample(2, None, False, [2.0, 2.0]),
+    "upsample_trilinear3d.vec": _upsample(3, None, False, [2.0] * 3),
 }
 
 # ---- creation, embedding, loss, moe, attention --------------------------------------------------------

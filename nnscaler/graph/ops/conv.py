@@ -124,9 +124,44 @@ def batch_norm(call: OpCall) -> str:
     return ", ".join(ins) + " -> " + " ".join([n, "c"] + rest)
 
 
-@rule("aten.group_norm.default", "norm")
-def group_norm(call: OpCall) -> str:
+def _local_num_groups(args: tuple, kwargs: dict, splits: dict[str, int]) -> tuple[tuple, dict]:
+    """Split on the groups `g`: each device normalises groups / devices of them."""
+    ways = splits.get("g")
+    if not ways:
+        return args, kwargs
+    if len(args) > 1:
+        return (args[0], args[1] // ways, *args[2:]), kwargs
+    return args, {**kwargs, "num_groups": kwargs["num_groups"] // ways}
+
+
+@rule("aten.group_norm.default", "norm", local_args=_local_num_groups)
+def group_norm(call: OpCall) -> str | tuple[str, dict[str, int]]:
+    """Statistics per (sample, group): the batch and whole groups split ('n (g c^) s..'), each device
+    normalising groups / devices of them with its slice of the per-channel weight and bias."""
     x = call.inputs[0].shape
+    groups = int(call.arg(1, "num_groups", 1))
     rest = _spatial("s", len(x) - 2)
-    ins = [" ".join(["n", "c^"] + rest)] + ["c^"] * (len(call.inputs) - 1)
-    return ", ".join(ins) + " -> " + " ".join(["n", "c^"] + rest)
+    ch = "(g c^)" if groups > 1 else "c^"
+    ins = [" ".join(["n", ch] + rest)] + [ch] * (len(call.inputs) - 1)
+    out = ", ".join(ins) + " -> " + " ".join(["n", ch] + rest)
+    return (out, {"g": groups}) if groups > 1 else out
+
+
+@rule(
+    [
+        "aten.upsample_nearest1d.vec",
+        "aten.upsample_nearest2d.vec",
+        "aten.upsample_nearest3d.vec",
+        "aten.upsample_linear1d.vec",
+        "aten.upsample_bilinear2d.vec",
+        "aten.upsample_bicubic2d.vec",
+        "aten.upsample_trilinear3d.vec",
+    ],
+    "conv",
+)
+def upsample(call: OpCall) -> str:
+    """Resampling acts on the trailing spatial dims only: the batch and channels split."""
+    op = call.node.op
+    nsp = 1 if "1d" in op else 3 if "3d" in op else 2
+    lead = letters(len(call.inputs[0].shape) - nsp)
+    return " ".join(lead + _spatial("i", nsp)) + " -> " + " ".join(lead + _spatial("s", nsp))
