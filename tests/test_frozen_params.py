@@ -98,6 +98,9 @@ def test_frozen_parameters_parity(tmp_path):
     results = run_parity_many(CASES, 2, tmp_path=tmp_path, steps=2)
     for case, case_results in zip(CASES, results):
         _check_frozen(case, case_results)
+        if case.policy == "tp":  # the frozen weights are split like trainable ones
+            fractions = [r["local_param_fraction"] for r in case_results]
+            assert max(fractions) < 0.9, f"{case.label}: weights not split, {fractions}"
 
 
 def test_capture_keeps_requires_grad_through_json():
