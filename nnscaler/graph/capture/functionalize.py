@@ -87,6 +87,7 @@ def functionalize(ep: torch.export.ExportedProgram) -> torch.export.ExportedProg
     _put_state_updates_in_place(functional)
     _views_as_reshapes(functional)
     _copies_as_values(functional)
+    functional.graph_module.recompile()
     return functional
 
 
@@ -114,7 +115,6 @@ def _copies_as_values(ep: torch.export.ExportedProgram) -> None:
                     value.meta = dict(node.meta)
             node.replace_all_uses_with(value)
             graph.erase_node(node)
-    ep.graph_module.recompile()
 
 
 def _views_as_reshapes(ep: torch.export.ExportedProgram) -> None:
@@ -125,7 +125,6 @@ def _views_as_reshapes(ep: torch.export.ExportedProgram) -> None:
         for node in graph.nodes:
             if node.op == "call_function" and node.target in (_aten.view.default, _aten._unsafe_view.default):
                 node.target = _aten.reshape.default
-    ep.graph_module.recompile()
 
 
 def _kept_op(name: str, aten_op: Any) -> Any:
@@ -186,7 +185,6 @@ def _put_state_updates_in_place(ep: torch.export.ExportedProgram) -> None:
         )
     output.args = (tuple(kept_values),)
     ep.graph_signature.output_specs[:] = kept_specs
-    ep.graph_module.recompile()
 
 
 def _input_name(ep: torch.export.ExportedProgram, spec) -> str:

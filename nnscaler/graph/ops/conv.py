@@ -38,14 +38,16 @@ def _transposed(call: OpCall) -> bool:
     return call.node.op in _CONV_TRANSPOSE
 
 
-def _local_groups(args: tuple, kwargs: dict, splits: dict[str, int], index: int) -> tuple[tuple, dict]:
-    """Split on the groups `g`: each device runs groups / devices of them."""
+def _local_groups(
+    args: tuple, kwargs: dict, splits: dict[str, int], index: int, name: str = "groups"
+) -> tuple[tuple, dict]:
+    """Split on the groups `g`: each device runs groups / devices of them (argument `index` / `name`)."""
     ways = splits.get("g")
     if not ways:
         return args, kwargs
     if index < len(args):
         return (*args[:index], args[index] // ways, *args[index + 1 :]), kwargs
-    return args, {**kwargs, "groups": kwargs["groups"] // ways}
+    return args, {**kwargs, name: kwargs[name] // ways}
 
 
 @rule(_CONV + _CONV_TRANSPOSE, "conv", local_args=lambda a, k, s: _local_groups(a, k, s, 6))
@@ -98,6 +100,14 @@ def convolution(call: OpCall) -> str | tuple[str, dict[str, int]]:
         "aten.adaptive_avg_pool2d.default",
         "aten.adaptive_avg_pool3d.default",
         "aten.adaptive_max_pool2d.default",
+        # resampling acts on the trailing spatial dims alike: the batch and channels split
+        "aten.upsample_nearest1d.vec",
+        "aten.upsample_nearest2d.vec",
+        "aten.upsample_nearest3d.vec",
+        "aten.upsample_linear1d.vec",
+        "aten.upsample_bilinear2d.vec",
+        "aten.upsample_bicubic2d.vec",
+        "aten.upsample_trilinear3d.vec",
     ],
     "conv",
 )
@@ -124,17 +134,7 @@ def batch_norm(call: OpCall) -> str:
     return ", ".join(ins) + " -> " + " ".join([n, "c"] + rest)
 
 
-def _local_num_groups(args: tuple, kwargs: dict, splits: dict[str, int]) -> tuple[tuple, dict]:
-    """Split on the groups `g`: each device normalises groups / devices of them."""
-    ways = splits.get("g")
-    if not ways:
-        return args, kwargs
-    if len(args) > 1:
-        return (args[0], args[1] // ways, *args[2:]), kwargs
-    return args, {**kwargs, "num_groups": kwargs["num_groups"] // ways}
-
-
-@rule("aten.group_norm.default", "norm", local_args=_local_num_groups)
+@rule("aten.group_norm.default", "norm", local_args=lambda a, k, s: _local_groups(a, k, s, 1, "num_groups"))
 def group_norm(call: OpCall) -> str | tuple[str, dict[str, int]]:
     """Statistics per (sample, group): the batch and whole groups split ('n (g c^) s..'), each device
     normalising groups / devices of them with its slice of the per-channel weight and bias."""
@@ -145,23 +145,3 @@ def group_norm(call: OpCall) -> str | tuple[str, dict[str, int]]:
     ins = [" ".join(["n", ch] + rest)] + [ch] * (len(call.inputs) - 1)
     out = ", ".join(ins) + " -> " + " ".join(["n", ch] + rest)
     return (out, {"g": groups}) if groups > 1 else out
-
-
-@rule(
-    [
-        "aten.upsample_nearest1d.vec",
-        "aten.upsample_nearest2d.vec",
-        "aten.upsample_nearest3d.vec",
-        "aten.upsample_linear1d.vec",
-        "aten.upsample_bilinear2d.vec",
-        "aten.upsample_bicubic2d.vec",
-        "aten.upsample_trilinear3d.vec",
-    ],
-    "conv",
-)
-def upsample(call: OpCall) -> str:
-    """Resampling acts on the trailing spatial dims only: the batch and channels split."""
-    op = call.node.op
-    nsp = 1 if "1d" in op else 3 if "3d" in op else 2
-    lead = letters(len(call.inputs[0].shape) - nsp)
-    return " ".join(lead + _spatial("i", nsp)) + " -> " + " ".join(lead + _spatial("s", nsp))
