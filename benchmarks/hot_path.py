@@ -2,7 +2,7 @@
 
 Two gloo processes (spawned here, FileStore rendezvous) compile a small nanoGPT under each
 configuration, run one warm-up step, then count the host reads of tensor values
-(`nnscaler.runtime.host_syncs.count_host_syncs`: `item`, `tolist`, `__bool__`, `__float__`,
+(`nnscaler.runtime.dist.host_syncs.count_host_syncs`: `item`, `tolist`, `__bool__`, `__float__`,
 `__int__`, `__index__`, `cpu`, `numpy`) in the next step's forward, backward and optimizer step
 (`clip_gnorm(1.0)` + `step()` + `zero_grad()`) separately. Each of them is a GPU sync on CUDA
 (there `torch.cuda.set_sync_debug_mode("warn")` is the real check; with --cuda on a GPU machine
@@ -61,7 +61,7 @@ class _Counter:
         self.result: dict[str, Any] = {"sites": {}}
 
     def phase(self, name: str, fn: Any) -> Any:
-        from nnscaler.runtime.host_syncs import count_host_syncs
+        from nnscaler.runtime.dist.host_syncs import count_host_syncs
 
         with warnings.catch_warnings(record=True) as caught, count_host_syncs() as syncs:
             warnings.simplefilter("always")

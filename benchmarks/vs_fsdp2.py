@@ -77,7 +77,7 @@ def build_nnscaler(
     model: torch.nn.Module, data: dict[str, torch.Tensor], world: int, gen_savedir: str
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     import nnscaler
-    from nnscaler.runtime.zero3 import Zero3Reducer
+    from nnscaler.runtime.grads.zero3 import Zero3Reducer
 
     pm = nnscaler.parallelize(model, data, "dp", _config(world), gen_savedir=gen_savedir)
     opt = nnscaler.build_optimizer(pm, torch.optim.AdamW, lr=1e-4)

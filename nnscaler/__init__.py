@@ -18,7 +18,7 @@ from nnscaler.runtime import (
     merge_state_dicts,
     uninit,
 )
-from nnscaler.runtime.sync_flags import sync_grad_when
+from nnscaler.runtime.grads.sync_flags import sync_grad_when
 from nnscaler.version import __version__
 
 _configure_logging()  # $NNSCALER_LOG=info: what the compiler does, phase by phase

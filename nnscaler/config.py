@@ -76,10 +76,10 @@ class ComputeConfig:
     loop that scales gradients itself)."""
     reducer_bucket_autotune: bool = field(default=False, kw_only=True)
     """Try several gradient bucket sizes over the first steps and keep the fastest (Horovod's autotune;
-    nnscaler.runtime.autotune); overrides `reducer_bucket_cap_mb`. Not with ZeRO."""
+    nnscaler.runtime.grads.autotune); overrides `reducer_bucket_cap_mb`. Not with ZeRO."""
     hierarchical_allreduce: bool | None = field(default=None, kw_only=True)
     """Data parallelism across nodes (without ZeRO): reduce-scatter inside each node, all-reduce the
-    slices across nodes, all-gather inside the node (nnscaler.runtime.hierarchy). None: when the cost
+    slices across nodes, all-gather inside the node (nnscaler.runtime.grads.hierarchy). None: when the cost
     model says it beats one flat ring; True: whenever the replicas span several nodes; False: never."""
     zero3_prefetch_blocks: int = field(default=1, kw_only=True)
     """ZeRO stage 3: blocks gathered ahead of the one computing, in forward and in backward (0: none).
@@ -189,7 +189,7 @@ class ComputeConfig:
         must call it."""
         import torch.distributed as dist
 
-        from nnscaler.runtime.groups import create_groups, get_group
+        from nnscaler.runtime.dist.groups import create_groups, get_group
 
         create_groups(self.dims.dp_groups())
         ranks = self.dims.dp_group(dist.get_rank())

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from nnscaler.runtime.mixed_precision import MASTER_KEY
+from nnscaler.runtime.grads.mixed_precision import MASTER_KEY
 from tests.dist_util import spawn
 from tests.parity import compare, train_parallel, train_reference
 

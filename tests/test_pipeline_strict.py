@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nnscaler.runtime.p2p import P2P, STRICT_ENV, TIMEOUT_ENV, Label, P2POrderError
+from nnscaler.runtime.dist.p2p import P2P, STRICT_ENV, TIMEOUT_ENV, Label, P2POrderError
 from tests.dist_util import SpawnError, spawn
 from tests.parity import run_parity
 

@@ -19,7 +19,7 @@ import time
 
 import torch.distributed as dist
 
-from nnscaler.runtime.store_sync import Outcome, PeerError, default_store
+from nnscaler.runtime.dist.store_sync import Outcome, PeerError, default_store
 
 __all__ = ["Heartbeat", "heartbeat_timeout"]
 

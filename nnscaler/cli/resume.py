@@ -31,7 +31,7 @@ from nnscaler.runtime import (
     load_sharded_state_dict,
     merge_state_dicts,
 )
-from nnscaler.runtime.checkpoint_keys import module_keys
+from nnscaler.runtime.checkpoint.keys import module_keys
 from nnscaler.version import __version__
 
 if TYPE_CHECKING:

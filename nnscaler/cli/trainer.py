@@ -33,7 +33,7 @@ from nnscaler.errors import ConfigError, NnScalerError
 from nnscaler.parallel import parallelize
 from nnscaler.runtime import ParallelModule
 from nnscaler.runtime import init as nnscaler_init
-from nnscaler.runtime.groups import create_groups, get_group
+from nnscaler.runtime.dist.groups import create_groups, get_group
 
 __all__ = ["Trainer", "TrainStatus"]
 

@@ -4,7 +4,7 @@ literals (`torch.tensor([...])`) or reads from plain tensor attributes, lifted b
 Their values are saved once, in `constants.pt` beside the generated files, for every rank. Each rank
 registers (as non-persistent buffers) only the constants its own code uses; `constant_users` names,
 for every constant some rank uses, who uses it, so that every rank can check the file holds them all
-and fail alike, naming the key and its users, when it does not (nnscaler.runtime.constants).
+and fail alike, naming the key and its users, when it does not (nnscaler.runtime.module_parts.constants).
 """
 
 from __future__ import annotations

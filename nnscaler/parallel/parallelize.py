@@ -32,11 +32,11 @@ from nnscaler.parallel.savedir import (
 from nnscaler.parallel.verify import should_verify, verify_capture
 from nnscaler.policies.options import validate_pas_config
 from nnscaler.runtime.device import bind_cuda_device
+from nnscaler.runtime.dist.store_sync import next_key, publish_outcome, wait_outcome
+from nnscaler.runtime.dist.timeouts import compile_timeout
 from nnscaler.runtime.leaf import attach_leaf_modules
-from nnscaler.runtime.meta_weights import refuse_meta_weights
-from nnscaler.runtime.replicas import load_initial_weights, validate_init_params_sync
-from nnscaler.runtime.store_sync import next_key, publish_outcome, wait_outcome
-from nnscaler.runtime.timeouts import compile_timeout
+from nnscaler.runtime.module_parts.meta_weights import refuse_meta_weights
+from nnscaler.runtime.module_parts.replicas import load_initial_weights, validate_init_params_sync
 from nnscaler.version import __version__
 
 _log = logging.getLogger(__name__)

@@ -13,11 +13,11 @@ from nnscaler.runtime.checkpoint import (
     merge_state_dicts,
 )
 from nnscaler.runtime.device import init, runtime_device, uninit
-from nnscaler.runtime.mixed_precision import DynamicLossScaler, MixedPrecisionAdam, MixedPrecisionAdamW
+from nnscaler.runtime.grads.mixed_precision import DynamicLossScaler, MixedPrecisionAdam, MixedPrecisionAdamW
+from nnscaler.runtime.grads.zero import ZeroOptimizer
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.optimizer import build_optimizer
 from nnscaler.runtime.shard import assemble_shards, shard_slice
-from nnscaler.runtime.zero import ZeroOptimizer
 
 __all__ = [
     "ParallelModule",

@@ -9,15 +9,12 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from nnscaler.runtime import lifecycle, timeline
-from nnscaler.runtime.timeouts import collective_timeout
+from nnscaler.runtime.dist import lifecycle, timeline
+from nnscaler.runtime.dist.groups import clear_groups
+from nnscaler.runtime.dist.process_group import is_initialized, uses_nccl
+from nnscaler.runtime.dist.timeouts import collective_timeout
 
 __all__ = ["init", "uninit", "is_initialized", "runtime_device", "local_cuda_index", "bind_cuda_device"]
-
-
-def is_initialized() -> bool:
-    """Whether torch.distributed is available and a default process group exists."""
-    return dist.is_available() and dist.is_initialized()
 
 
 BACKEND_ENV = "NNSCALER_BACKEND"
@@ -79,8 +76,6 @@ def _teardown_at_exit() -> None:
 def uninit() -> None:
     """Release the parallel modules' gradient buckets, destroy the default process group (and forget
     cached groups); the process group part is a no-op when none exists. Also run at exit."""
-    from nnscaler.runtime.groups import clear_groups
-
     lifecycle.release_parallel_modules()
     clear_groups()
     if is_initialized():
@@ -104,13 +99,9 @@ def local_cuda_index() -> int:
     return local_rank
 
 
-def _uses_nccl() -> bool:
-    return is_initialized() and "nccl" in str(dist.get_backend()).lower()
-
-
 def runtime_device() -> torch.device:
     """This process's CUDA device (`local_cuda_index`) when the process group runs NCCL, else `cpu`."""
-    if _uses_nccl():
+    if uses_nccl():
         return torch.device("cuda", local_cuda_index())
     return torch.device("cpu")
 
@@ -122,7 +113,7 @@ def bind_cuda_device() -> None:
     communicators use the current device; a process group created without `nnscaler.init` and
     without `torch.cuda.set_device` would put every rank on device 0.
     """
-    if _uses_nccl():
+    if uses_nccl():
         device = runtime_device()
         if torch.cuda.current_device() != device.index:
             torch.cuda.set_device(device)

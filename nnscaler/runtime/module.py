@@ -5,10 +5,10 @@ A generated subclass registers this rank's piece of every parameter and buffer w
 `state_dict()` is keyed by the ORIGINAL names, holds this rank's local tensors, and carries the
 sharding metadata as extra state, so `merge_state_dicts` can rebuild the single-device state dict.
 
-Gradients are averaged over the data-parallel replicas by a `Reducer` (nnscaler.runtime.reducer),
+Gradients are averaged over the data-parallel replicas by a `Reducer` (nnscaler.runtime.grads.reducer),
 built on the first forward with gradients enabled (or the first `sync_grad` / `build_optimizer`) from
 `compute_config`, which the compiler sets after construction. Under ZeRO stage 3 it is a
-`Zero3Reducer` (nnscaler.runtime.zero3): the registered parameters then hold no data, and
+`Zero3Reducer` (nnscaler.runtime.grads.zero3): the registered parameters then hold no data, and
 `__getattr__` hands the generated forward gathered ones.
 """
 
@@ -28,23 +28,20 @@ from torch import nn
 
 from nnscaler.config import ComputeConfig
 from nnscaler.mesh import ParallelDims
-from nnscaler.runtime import lifecycle, preflight, shapes
-from nnscaler.runtime.constants import load_constants
+from nnscaler.runtime.checkpoint.formats import EXTRA_STATE_FORMAT, EXTRA_STATE_KEY
 from nnscaler.runtime.device import is_initialized, runtime_device
-from nnscaler.runtime.end2end import EndToEndMixin
-from nnscaler.runtime.groups import create_groups, create_host_groups, get_group, get_host_group
-from nnscaler.runtime.module_compat import ModuleCompatMixin
-from nnscaler.runtime.module_grads import GradientsMixin
-from nnscaler.runtime.reducer import Reducer
+from nnscaler.runtime.dist import lifecycle, preflight
+from nnscaler.runtime.dist.groups import create_groups, create_host_groups, get_group, get_host_group
+from nnscaler.runtime.grads.reducer import Reducer
+from nnscaler.runtime.grads.zero3 import Zero3Reducer
+from nnscaler.runtime.module_parts import shapes
+from nnscaler.runtime.module_parts.compat import ModuleCompatMixin
+from nnscaler.runtime.module_parts.constants import load_constants
+from nnscaler.runtime.module_parts.end2end import EndToEndMixin
+from nnscaler.runtime.module_parts.grads import GradientsMixin
 from nnscaler.runtime.shard import Shard, local_shape, normalize_shard, shard_slice
-from nnscaler.runtime.zero3 import Zero3Reducer
 
 __all__ = ["ParallelModule", "ShardInfo", "EXTRA_STATE_FORMAT", "EXTRA_STATE_KEY"]
-
-EXTRA_STATE_FORMAT = "nnscaler.ParallelModule/1"
-"""Marks the extra-state entry of a ParallelModule in a state dict."""
-EXTRA_STATE_KEY = "_extra_state"
-"""Key suffix torch uses for `get_extra_state()` in state dicts."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +92,8 @@ def _after_forward(module: ParallelModule, args: Any, output: Any) -> None:
 class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, nn.Module):
     """Base class of generated code: one rank's shards of a model, plus gradient sync and checkpoints."""
 
+    _nnscaler_parallel_module = True
+    """checkpoint.formats.PARALLEL_MODULE_FLAG: how code below this module recognises one."""
     rank: int = 0
     compute_config: ComputeConfig | None = None
     """Set by the compiler on the generated class; may be None."""
@@ -110,10 +109,10 @@ class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, nn.Module
     always loaded, whatever `init_params` says, since they are part of the code, not the weights."""
     constant_users: Mapping[str, str] | None = None
     """Every constant some rank's code uses -> who uses it (e.g. "stage 1 (rank 1)"): the same on every
-    rank, which checks the file holds them all and loads those it registers (nnscaler.runtime.constants)."""
+    rank, which checks the file holds them all and loads those it registers (nnscaler.runtime.module_parts.constants)."""
     check_input_agreement: bool = True
     """Before each forward / train_step of a plan over several ranks, check that they all got inputs of
-    the same shapes and values (one all-gather of three int64; see nnscaler.runtime.preflight). Set False
+    the same shapes and values (one all-gather of three int64; see nnscaler.runtime.dist.preflight). Set False
     to skip it."""
     check_input_values: bool = True
     """With check_input_agreement: compare a checksum of the inputs' values too (on CUDA it waits for the

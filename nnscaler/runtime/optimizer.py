@@ -11,12 +11,13 @@ from torch import nn
 
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import ConfigError
+from nnscaler.runtime.checkpoint.formats import OPTIMIZER_META_KEY
+from nnscaler.runtime.checkpoint.piece_meta import optimizer_meta
 from nnscaler.runtime.device import is_initialized, runtime_device
-from nnscaler.runtime.mixed_precision import MixedPrecisionOptimizer, find_mixed_precision
+from nnscaler.runtime.grads.mixed_precision import MixedPrecisionOptimizer, find_mixed_precision
+from nnscaler.runtime.grads.reducer import average_gradients, grad_sq_norm, scale_grads
+from nnscaler.runtime.grads.zero import ZeroOptimizer
 from nnscaler.runtime.module import ParallelModule
-from nnscaler.runtime.piece_meta import OPTIMIZER_META_KEY, optimizer_meta
-from nnscaler.runtime.reducer import average_gradients, grad_sq_norm, scale_grads
-from nnscaler.runtime.zero import ZeroOptimizer
 
 __all__ = [
     "build_optimizer",
@@ -147,10 +148,10 @@ def build_optimizer(
     `optimizer.clip_gnorm(max_norm=None)` clips over the whole module.
 
     When a ParallelModule runs with ZeRO (`ComputeConfig.use_zero`), the result is a
-    `nnscaler.runtime.zero.ZeroOptimizer`: `optimizer_fn` then gets this rank's slices of the
+    `nnscaler.runtime.grads.zero.ZeroOptimizer`: `optimizer_fn` then gets this rank's slices of the
     parameters (1-D views), so it must be a per-element optimizer with one param group.
 
-    With a mixed-precision optimizer (`MixedPrecisionAdam(W)`, nnscaler.runtime.mixed_precision)
+    With a mixed-precision optimizer (`MixedPrecisionAdam(W)`, nnscaler.runtime.grads.mixed_precision)
     `clip_gnorm` reports the norm of the unscaled gradients and defers the clipping to the step's
     fp32 cast (nothing is scaled in bf16 / fp16).
     """

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler.runtime.device import is_initialized
-from nnscaler.runtime.p2p import P2P, Label, connect
+from nnscaler.runtime.dist.p2p import P2P, Label, connect
 
 __all__ = ["TensorSpec", "PipelineStep", "split_micro_batches", "forward_kwargs"]
 

@@ -35,7 +35,7 @@ def test_peer_death_is_named(tmp_path):
         spawn(_train, 2, tmp_path, argv, timeout=120)
     message = str(info.value)
     print(message[-3000:])
-    assert "rank 0 raised nnscaler.runtime.store_sync.PeerError" in message
+    assert "rank 0 raised nnscaler.runtime.dist.store_sync.PeerError" in message
     assert "rank 0: rank 1 died" in message and "training step 3" in message
 
 

@@ -12,8 +12,8 @@ import torch
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import ConfigError
 from nnscaler.runtime import build_optimizer
-from nnscaler.runtime.autotune import BucketAutotuner
-from nnscaler.runtime.reducer import make_buckets
+from nnscaler.runtime.grads.autotune import BucketAutotuner
+from nnscaler.runtime.grads.reducer import make_buckets
 
 try:
     from .dist_util import run_dist

@@ -28,7 +28,7 @@ from nnscaler.runtime import (
     load_sharded_state_dict,
     merge_state_dicts,
 )
-from nnscaler.runtime.piece_meta import OPTIMIZER_META_KEY
+from nnscaler.runtime.checkpoint.formats import OPTIMIZER_META_KEY
 
 try:
     from .dist_util import run_dist

@@ -27,8 +27,8 @@ NGROUPS = 2
 
 
 def _issue_order(rank: int, world: int) -> list[tuple[str, str, int]]:
-    import nnscaler.runtime.buckets as buckets
-    from nnscaler.runtime.reducer import Reducer, zero_process_groups
+    import nnscaler.runtime.grads.buckets as buckets
+    from nnscaler.runtime.grads.reducer import Reducer, zero_process_groups
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])

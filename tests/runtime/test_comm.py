@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from nnscaler import runtime
 from nnscaler.runtime import comm, shard_slice
-from nnscaler.runtime.groups import create_groups, get_group
+from nnscaler.runtime.dist.groups import create_groups, get_group
 
 try:
     from .dist_util import run_dist

@@ -90,7 +90,7 @@ def test_markers_and_register_op_arguments() -> None:
 def summed_worker(rank: int, world: int) -> None:
     """dp_grad_reduction='sum' (nnScaler's convention): the replicas' gradients add up, with the
     plain reducer, ZeRO 1 and ZeRO 3; 'mean' (ours, the default) is that sum over the replica count."""
-    from nnscaler.runtime.reducer import param_grad
+    from nnscaler.runtime.grads.reducer import param_grad
 
     ref, full, x, t = _setup()
     rows = _rows(rank, world, 1)

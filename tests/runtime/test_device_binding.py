@@ -56,7 +56,7 @@ def test_more_local_ranks_than_gpus_is_a_clear_error(cuda, monkeypatch):
 
 
 def test_bind_cuda_device_makes_the_rank_s_gpu_current_under_nccl(cuda, monkeypatch):
-    monkeypatch.setattr(dev, "_uses_nccl", lambda: True)
+    monkeypatch.setattr(dev, "uses_nccl", lambda: True)
     assert dev.runtime_device() == torch.device("cuda", 3)
     dev.bind_cuda_device()  # a group made without nnscaler.init left device 0 current
     assert cuda["set"] == [3]
@@ -65,7 +65,7 @@ def test_bind_cuda_device_makes_the_rank_s_gpu_current_under_nccl(cuda, monkeypa
 
 
 def test_gloo_binds_nothing(cuda, monkeypatch):
-    monkeypatch.setattr(dev, "_uses_nccl", lambda: False)
+    monkeypatch.setattr(dev, "uses_nccl", lambda: False)
     dev.bind_cuda_device()
     assert cuda["set"] == [] and dev.runtime_device() == torch.device("cpu")
 

@@ -29,9 +29,9 @@ import torch.distributed as dist
 import nnscaler
 from nnscaler.config import ComputeConfig
 from nnscaler.runtime import ParallelModule, build_optimizer
-from nnscaler.runtime.groups import create_groups, get_group
-from nnscaler.runtime.store_sync import PeerError, default_store, publish_outcome, wait_outcome
-from nnscaler.runtime.timeouts import DEFAULT_TIMEOUT, collective_timeout, compile_timeout, group_timeout
+from nnscaler.runtime.dist.groups import create_groups, get_group
+from nnscaler.runtime.dist.store_sync import PeerError, default_store, publish_outcome, wait_outcome
+from nnscaler.runtime.dist.timeouts import DEFAULT_TIMEOUT, collective_timeout, compile_timeout, group_timeout
 
 try:
     from .dist_util import run_dist

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from nnscaler.config import ComputeConfig
 from nnscaler.runtime import build_optimizer
-from nnscaler.runtime.hierarchy import (
+from nnscaler.runtime.grads.hierarchy import (
     LATENCY_S,
     flat_ring_seconds,
     hierarchical_seconds,

@@ -1,5 +1,5 @@
 """No host syncs in gradient clipping and at most one in a loss-scaled mixed-precision step
-(counted with nnscaler.runtime.host_syncs on CPU), and clipping equals torch's clip_grad_norm_:
+(counted with nnscaler.runtime.dist.host_syncs on CPU), and clipping equals torch's clip_grad_norm_:
 on 2 gloo ranks (dp 2, a hand-written ParallelModule) and in a plain process."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from nnscaler.runtime import build_optimizer
-from nnscaler.runtime.host_syncs import count_host_syncs
-from nnscaler.runtime.mixed_precision import DynamicLossScaler, MixedPrecisionAdamW
+from nnscaler.runtime.dist.host_syncs import count_host_syncs
+from nnscaler.runtime.grads.mixed_precision import DynamicLossScaler, MixedPrecisionAdamW
 
 try:
     from .dist_util import run_dist
@@ -87,7 +87,7 @@ def test_dp_clip_and_loss_scaled_step_syncs() -> None:
 def _tp_worker(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from nnscaler.runtime.groups import get_group, get_host_group
+    from nnscaler.runtime.dist.groups import get_group, get_host_group
 
     torch.manual_seed(0)
     ref = Ref()

@@ -1,5 +1,5 @@
 """The ranks of one plan must get the same input values, not only the same shapes: the per-call check
-compares a checksum of each input (nnscaler.runtime.checksums) over the plan's ranks and raises on all
+compares a checksum of each input (nnscaler.runtime.dist.checksums) over the plan's ranks and raises on all
 of them, naming the input; data-parallel replicas get different batches and are never compared."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from nnscaler.runtime.checksums import combine_checksums, tensor_checksum
+from nnscaler.runtime.dist.checksums import combine_checksums, tensor_checksum
 
 try:
     from .dist_util import run_dist

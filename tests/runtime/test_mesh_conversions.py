@@ -12,7 +12,7 @@ from nnscaler.graph.ir import MeshLayout, Partial, Replicate, Shard, mesh_coords
 from nnscaler.mesh import mesh_axis_groups, rank_axis_groups
 from nnscaler.partition import GROUP, AxisGroup, conversion_steps
 from nnscaler.runtime import comm
-from nnscaler.runtime.groups import create_groups, get_group
+from nnscaler.runtime.dist.groups import create_groups, get_group
 
 try:
     from .dist_util import run_dist

@@ -1,4 +1,4 @@
-"""Mixed precision (nnscaler.runtime.mixed_precision) alone and on 4 gloo ranks (tp 2 x dp 2).
+"""Mixed precision (nnscaler.runtime.grads.mixed_precision) alone and on 4 gloo ranks (tp 2 x dp 2).
 
 - MixedPrecisionAdamW over bf16 parameters through build_optimizer, without ZeRO, with ZeRO 1, 2, 3 and
   with `reduce_grads_in_fp32`, matches the single-device model in the same precision (bf16 parameters,
@@ -35,9 +35,9 @@ from nnscaler.runtime import (
     load_merged_state_dict,
     merge_state_dicts,
 )
-from nnscaler.runtime import mixed_precision as mp_module
-from nnscaler.runtime.mixed_precision import MASTER_KEY, MixedPrecisionOptimizer
-from nnscaler.runtime.zero import ZeroOptimizer
+from nnscaler.runtime.grads import mixed_precision as mp_module
+from nnscaler.runtime.grads.mixed_precision import MASTER_KEY, MixedPrecisionOptimizer
+from nnscaler.runtime.grads.zero import ZeroOptimizer
 
 try:
     from .dist_util import run_dist

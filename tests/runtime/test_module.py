@@ -336,7 +336,7 @@ def teardown_worker(rank: int, world: int) -> dict[str, Any]:
     import atexit
 
     import nnscaler
-    from nnscaler.runtime import lifecycle
+    from nnscaler.runtime.dist import lifecycle
 
     nnscaler.init()  # the group is up already; init still arranges the teardown at exit
     ref, full, x, t = _setup()

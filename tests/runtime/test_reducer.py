@@ -13,7 +13,7 @@ from torch import nn
 
 from nnscaler.config import ComputeConfig
 from nnscaler.runtime import build_optimizer
-from nnscaler.runtime.reducer import average_gradients, make_buckets, zero_groups
+from nnscaler.runtime.grads.reducer import average_gradients, make_buckets, zero_groups
 from nnscaler.runtime.shard import shard_slice
 
 try:
@@ -189,7 +189,7 @@ _unused(Ref)
 def bucket_view_worker(rank: int, world: int) -> None:
     """zero_grad(set_to_none=False): `.grad` stays its bucket's view and backward accumulates into it in
     place, with no copy into the bucket; the gradients still average like single-device ones."""
-    from nnscaler.runtime import buckets
+    from nnscaler.runtime.grads import buckets
 
     ref, full, x, t = _setup()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)

@@ -24,7 +24,7 @@ from torch import nn
 
 from nnscaler import ComputeConfig, parallelize
 from nnscaler.errors import ConfigError
-from nnscaler.runtime.replicas import _buckets, _manifest, full_weights, load_initial_weights
+from nnscaler.runtime.module_parts.replicas import _buckets, _manifest, full_weights, load_initial_weights
 from tests.dist_util import spawn
 
 RUN_LIMIT = 120.0

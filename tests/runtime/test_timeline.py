@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler import ComputeConfig
-from nnscaler.runtime import timeline
+from nnscaler.runtime.dist import timeline
 
 try:
     from .dist_util import run_dist

@@ -24,7 +24,7 @@ from nnscaler.runtime import (
     load_sharded_state_dict,
     merge_state_dicts,
 )
-from nnscaler.runtime.zero import ZeroOptimizer
+from nnscaler.runtime.grads.zero import ZeroOptimizer
 
 try:
     from .dist_util import run_dist

@@ -1,4 +1,4 @@
-"""ZeRO stage 3 (nnscaler.runtime.zero3) on 4 gloo ranks, with hand-written 'generated' modules:
+"""ZeRO stage 3 (nnscaler.runtime.grads.zero3) on 4 gloo ranks, with hand-written 'generated' modules:
 
 - training with zero_ngroups 1 and 2 (and tp 2 x dp 2) equals single-device AdamW / Adam step by
   step (losses, clip_gnorm, merged parameters and optimizer state), also with gradient accumulation
@@ -33,8 +33,8 @@ from nnscaler.runtime import (
     load_sharded_state_dict,
     merge_state_dicts,
 )
-from nnscaler.runtime.zero import ZeroOptimizer
-from nnscaler.runtime.zero3 import Zero3Reducer, block_of
+from nnscaler.runtime.grads.zero import ZeroOptimizer
+from nnscaler.runtime.grads.zero3 import Zero3Reducer, block_of
 
 try:
     from .dist_util import run_dist

@@ -18,7 +18,7 @@ from nnscaler.policies.options import AutodistOptions
 from nnscaler.policies.plan import NodePlan, PipelinePlan, Plan
 from nnscaler.policies.recompute import recompute_paths
 from nnscaler.policies.staging import parse_pivots
-from nnscaler.runtime.buckets import DEFAULT_BUCKET_CAP_MB
+from nnscaler.runtime.grads.buckets import DEFAULT_BUCKET_CAP_MB
 
 __all__ = ["pas_autodist", "planner_setup", "plan_from_candidate", "default_cluster"]
 

@@ -19,7 +19,7 @@ from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.autodist.pipeline_dp import stage_dp
 from nnscaler.policies.autodist.spmd import SpmdResult, solve_spmd
-from nnscaler.runtime.buckets import DEFAULT_BUCKET_CAP_MB
+from nnscaler.runtime.grads.buckets import DEFAULT_BUCKET_CAP_MB
 
 __all__ = ["PlannerSetup", "Candidate", "search", "divisors", "fixed_costs"]
 

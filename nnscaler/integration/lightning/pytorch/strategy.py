@@ -29,7 +29,7 @@ from nnscaler.config import ComputeConfig
 from nnscaler.errors import ConfigError
 from nnscaler.integration.lightning.pytorch import checkpoint as ckpt
 from nnscaler.runtime import deduped_state_dict, load_deduped_state_dict
-from nnscaler.runtime.groups import create_groups, get_group
+from nnscaler.runtime.dist.groups import create_groups, get_group
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.optimizer import attach_optimizer
 

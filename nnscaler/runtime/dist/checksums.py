@@ -6,7 +6,7 @@ sum); one cumsum gives both. Integer addition modulo 2**64 does not depend on th
 so equal tensors give equal checksums on every rank whatever the device, kernel or thread count
 (float sums would not). A single changed element changes one word and so `s1`; values moved to other
 positions change `s2`. Cost: one scan and one int64 temporary of the tensor's byte size, on the
-tensor's own device (about 16 ms for a 19 MB image batch on one CPU thread, microseconds for token ids).
+tensor's own device: linear in the input's bytes, negligible for token ids.
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nnscaler.runtime.autotune import BucketAutotuner
 from nnscaler.runtime.device import runtime_device
-from nnscaler.runtime.groups import create_host_groups, get_host_group
-from nnscaler.runtime.reducer import (
+from nnscaler.runtime.dist.groups import create_host_groups, get_host_group
+from nnscaler.runtime.grads.autotune import BucketAutotuner
+from nnscaler.runtime.grads.reducer import (
     Reducer,
     build_reducer,
     first_holders,
@@ -23,7 +23,7 @@ from nnscaler.runtime.reducer import (
     param_grad,
     scale_grads,
 )
-from nnscaler.runtime.zero3 import Zero3Reducer, build_zero3
+from nnscaler.runtime.grads.zero3 import Zero3Reducer, build_zero3
 
 __all__ = ["GradientsMixin"]
 

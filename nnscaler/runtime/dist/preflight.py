@@ -4,7 +4,7 @@ aborts on and NCCL may hang on) and the same values (different values of one sha
 wrong model silently: each rank computes its piece of another batch).
 
 The check costs one all-gather of three int64 per call: a digest of the input shapes and a checksum of
-the input values (nnscaler.runtime.checksums: integer sums of each tensor's bytes, computed on the
+the input values (nnscaler.runtime.dist.checksums: integer sums of each tensor's bytes, computed on the
 tensor's device; on CUDA one two-number tensor per device then crosses to the host, which waits for
 the device). A rank cannot skip it when its own inputs repeat, since a peer's may have changed (the
 last, smaller batch of an epoch), and that peer would then pair its check with this rank's first
@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from nnscaler.runtime.checksums import combine_checksums, tensor_checksum
+from nnscaler.runtime.dist.checksums import combine_checksums, tensor_checksum
 from nnscaler.runtime.device import is_initialized
-from nnscaler.runtime.host_syncs import host_only
+from nnscaler.runtime.dist.host_syncs import host_only
 
 __all__ = ["require_process_group", "check_plan_inputs", "named_call_inputs"]
 

@@ -4,17 +4,22 @@ autograd Function that hands out a gathered parameter and takes its gradient."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from nnscaler.runtime.buckets import Bucket
+from nnscaler.runtime.grads.buckets import Bucket
 
-if TYPE_CHECKING:
-    from nnscaler.runtime.zero3 import Zero3Reducer
+__all__ = ["block_of", "Flat", "Block", "Saved", "Unshard", "FlatOwner"]
 
-__all__ = ["block_of", "Flat", "Block", "Saved", "Unshard"]
+
+class FlatOwner(Protocol):
+    """What the pieces here call back on the reducer that owns a flat buffer (zero3.Zero3Reducer)."""
+
+    def _done_with(self, flat: Flat) -> None: ...
+
+    def _take(self, flat: Flat, i: int, grad: torch.Tensor) -> None: ...
 
 
 def block_of(original_name: str) -> str:
@@ -58,7 +63,7 @@ class Flat:
         self.bucket: Bucket | None = None
         self.tokens = 0
         """Saved-tensor tokens (`Saved`) of this buffer alive."""
-        self.owner: Zero3Reducer | None = None
+        self.owner: FlatOwner | None = None
         self.uses = [0] * len(params)
         """Per parameter: times forward handed it out since backward last delivered all its gradients."""
 
@@ -113,7 +118,7 @@ class Unshard(torch.autograd.Function):
     parameter gets no `.grad`."""
 
     @staticmethod
-    def forward(ctx: Any, param: torch.Tensor, owner: Zero3Reducer, flat: Flat, i: int) -> torch.Tensor:
+    def forward(ctx: Any, param: torch.Tensor, owner: FlatOwner, flat: Flat, i: int) -> torch.Tensor:
         ctx.where = (owner, flat, i)
         return flat.view(i)
 

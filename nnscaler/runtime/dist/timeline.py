@@ -5,7 +5,7 @@ chrome://tracing open.
 Turn it on for a whole run with `NNSCALER_TIMELINE=/path/trace.json` (read by `nnscaler.init()`;
 written when the process group is torn down by `uninit()` and at exit), or for a region with
 `with timeline("trace.json"): ...`. Each rank writes its own file (`trace.rank{r}.json`, or the path
-with `{rank}` replaced); `merge_timelines` (and `python -m nnscaler.runtime.timeline OUT IN...`)
+with `{rank}` replaced); `merge_timelines` (and `python -m nnscaler.runtime.dist.timeline OUT IN...`)
 joins them into one trace with a process per rank and a track per communicator.
 
 How: torch.distributed has no per-call hook for collectives (torch.profiler records them, but with
@@ -318,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2:
         print(
-            "usage: python -m nnscaler.runtime.timeline OUT.json RANK0.json [RANK1.json ...]", file=sys.stderr
+            "usage: python -m nnscaler.runtime.dist.timeline OUT.json RANK0.json [RANK1.json ...]", file=sys.stderr
         )
         return 2
     merged = merge_timelines(args[1:], args[0])

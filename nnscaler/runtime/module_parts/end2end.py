@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nnscaler.runtime import timeline
-from nnscaler.runtime.groups import get_group
+from nnscaler.runtime.dist import timeline
+from nnscaler.runtime.dist.groups import get_group
 
 __all__ = ["EndToEndMixin"]
 

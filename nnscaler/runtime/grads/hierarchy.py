@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler.mesh import ParallelDims
-from nnscaler.runtime.groups import create_groups, get_group
+from nnscaler.runtime.dist.groups import create_groups, get_group
 
 __all__ = [
     "Hierarchy",

@@ -49,18 +49,18 @@ import torch.distributed as dist
 from torch import nn
 
 from nnscaler.mesh import ParallelDims
-from nnscaler.runtime.buckets import Bucket
 from nnscaler.runtime.comm import _all_gather_single
-from nnscaler.runtime.groups import create_twin_groups, get_twin_group
-from nnscaler.runtime.reducer import (
+from nnscaler.runtime.dist.groups import create_twin_groups, get_twin_group
+from nnscaler.runtime.dist.store_sync import reach
+from nnscaler.runtime.grads.buckets import Bucket
+from nnscaler.runtime.grads.reducer import (
     DEFAULT_BUCKET_CAP_MB,
     Reducer,
     ZeroPiece,
     zero_process_groups,
 )
-from nnscaler.runtime.store_sync import reach
-from nnscaler.runtime.sync_flags import reductions_skipped
-from nnscaler.runtime.zero3_blocks import Block, Flat, Saved, Unshard, block_of
+from nnscaler.runtime.grads.sync_flags import reductions_skipped
+from nnscaler.runtime.grads.zero3_blocks import Block, Flat, Saved, Unshard, block_of
 
 __all__ = ["Zero3Reducer", "build_zero3", "block_of"]
 

@@ -13,19 +13,15 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from nnscaler.runtime.checkpoint.formats import OPTIMIZER_META_FORMAT, OPTIMIZER_META_KEY, is_parallel_module
 from nnscaler.runtime.device import is_initialized
-from nnscaler.runtime.module import ParallelModule
 
 __all__ = ["OPTIMIZER_META_KEY", "OPTIMIZER_META_FORMAT", "optimizer_meta"]
-
-OPTIMIZER_META_KEY = "nnscaler"
-"""Top-level key of the metadata in an optimizer state dict."""
-OPTIMIZER_META_FORMAT = "nnscaler.optimizer/1"
 
 
 def optimizer_meta(module: nn.Module) -> dict[str, Any]:
     """`{"format", "rank", "plans": {state-dict prefix: plan id}}` of the ParallelModules in `module`."""
-    pms = [(f"{n}." if n else "", m) for n, m in module.named_modules() if isinstance(m, ParallelModule)]
+    pms = [(f"{n}." if n else "", m) for n, m in module.named_modules() if is_parallel_module(m)]
     if pms:
         rank = pms[0][1].rank
     else:

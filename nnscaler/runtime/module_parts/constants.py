@@ -15,15 +15,25 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from nnscaler.errors import ConfigError
 from nnscaler.runtime.shard import shard_slice
 
-if TYPE_CHECKING:
-    from nnscaler.runtime.module import ParallelModule
+
+class ParallelModule(Protocol):
+    """What loading constants needs of a ParallelModule (nnscaler.runtime.module, which imports this
+    module; its class attributes `constants_file` and `constant_users` are read from the type)."""
+
+    rank: int
+    fullmap: Mapping[str, Any]
+
+    def _names_of(self, info: Any) -> list[str]: ...
+
+    def _write(self, local: str, value: torch.Tensor) -> None: ...
+
 
 __all__ = ["constants_path", "read_constants", "load_constants"]
 

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from nnscaler.errors import NnScalerError
-from nnscaler.runtime.timeouts import arrival_timeout, as_timedelta
+from nnscaler.runtime.dist.timeouts import arrival_timeout, as_timedelta
 
 __all__ = ["PeerError", "Outcome", "default_store", "next_key", "publish_outcome", "wait_outcome", "reach"]
 
@@ -44,7 +44,7 @@ MAX_TEXT = 8000
 """Characters of the message and of the traceback kept each (a store value stays small)."""
 
 PROGRESS_EVERY = 300.0
-"""Seconds between 'still waiting' log lines (logger nnscaler.runtime.store_sync, level INFO)."""
+"""Seconds between 'still waiting' log lines (logger nnscaler.runtime.dist.store_sync, level INFO)."""
 
 _counts: dict[str, int] = {}
 

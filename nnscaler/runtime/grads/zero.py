@@ -23,13 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from nnscaler.runtime.module import ParallelModule
-from nnscaler.runtime.piece_meta import OPTIMIZER_META_KEY, optimizer_meta
-from nnscaler.runtime.reducer import ZeroPiece
+from nnscaler.runtime.checkpoint.formats import OPTIMIZER_META_KEY, ZERO_SLICES_KEY, is_parallel_module
+from nnscaler.runtime.checkpoint.piece_meta import optimizer_meta
+from nnscaler.runtime.grads.reducer import ZeroPiece
 
 __all__ = ["ZeroOptimizer", "ZERO_SLICES_KEY"]
 
-ZERO_SLICES_KEY = "zero_slices"
 """Param-group key of a ZeRO optimizer state dict: `[start, end]` (or None) per parameter."""
 
 _GROUP_KEYS = ("params", "param_names", ZERO_SLICES_KEY)
@@ -82,7 +81,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.params = params
         """The module's parameters, in the order state dicts index them."""
         self._sync, self._clip, self._names = sync, clip, names
-        self._pms = [m for m in module.modules() if isinstance(m, ParallelModule)]
+        self._pms = [m for m in module.modules() if is_parallel_module(m)]
         pieces: dict[int, ZeroPiece] = {}
         sharded: set[int] = set()
         for pm in self._pms:

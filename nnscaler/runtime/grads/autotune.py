@@ -22,7 +22,7 @@ __all__ = ["BucketAutotuner", "DEFAULT_CANDIDATES_MB"]
 DEFAULT_CANDIDATES_MB = (1.0, 4.0, 16.0, 25.0, 64.0)
 """Bucket sizes tried, in MB (25: torch DDP's default)."""
 
-log = logging.getLogger("nnscaler.runtime.autotune")
+log = logging.getLogger("nnscaler.runtime.grads.autotune")
 
 
 @dataclass

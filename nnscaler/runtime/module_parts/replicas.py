@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from nnscaler.errors import ConfigError
-from nnscaler.runtime.buckets import pack_buckets
 from nnscaler.runtime.device import is_initialized, runtime_device
+from nnscaler.runtime.grads.buckets import pack_buckets
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.shard import shard_slice
 

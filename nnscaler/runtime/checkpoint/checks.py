@@ -13,8 +13,12 @@ from typing import Any
 import torch
 
 from nnscaler.errors import CheckpointError
-from nnscaler.runtime.module import EXTRA_STATE_FORMAT, EXTRA_STATE_KEY
-from nnscaler.runtime.piece_meta import OPTIMIZER_META_FORMAT, OPTIMIZER_META_KEY
+from nnscaler.runtime.checkpoint.formats import (
+    EXTRA_STATE_FORMAT,
+    EXTRA_STATE_KEY,
+    OPTIMIZER_META_FORMAT,
+    OPTIMIZER_META_KEY,
+)
 
 __all__ = [
     "Piece",

@@ -100,7 +100,7 @@ class ModuleCompatMixin:
     def merge_checkpoints(filename_prefix: str = "dist_checkpoint") -> str:
         """Merge the `{filename_prefix}-{rank}.ckpt` files of every rank into `{filename_prefix}.full.ckpt`
         (single-device model and optimizer state dicts); returns its path."""
-        from nnscaler.runtime.checkpoint_merge import merge_state_dicts
+        from nnscaler.runtime.checkpoint.merge import merge_state_dicts
 
         pattern = re.compile(re.escape(os.path.basename(filename_prefix)) + r"-(\d+)\.ckpt$")
         files = sorted(

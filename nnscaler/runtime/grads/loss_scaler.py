@@ -5,15 +5,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from nnscaler.runtime.device import is_initialized, runtime_device
 
-if TYPE_CHECKING:
-    from nnscaler.runtime.mixed_precision import MixedPrecisionOptimizer
+
+class LossScaledOptimizer(Protocol):
+    """An optimizer that unscales its gradients by `loss_scaler` (MixedPrecisionAdam / AdamW, which
+    import this module; they set the class attribute `takes_loss_scaler`)."""
+
+    loss_scaler: DynamicLossScaler | None
+
+
+def _loss_scaled(optimizer: Any) -> LossScaledOptimizer | None:
+    """`optimizer` if it takes a loss scaler, or the one a ZeroOptimizer wraps; else None."""
+    for opt in (optimizer, getattr(optimizer, "inner", None)):
+        if getattr(type(opt), "takes_loss_scaler", False) is True:
+            return opt
+    return None
+
 
 __all__ = ["DynamicLossScaler", "any_nonfinite"]
 
@@ -84,10 +97,8 @@ class DynamicLossScaler:
         """`loss * scale`, to call backward on."""
         return loss * self._scale
 
-    def _attach(self, optimizer: torch.optim.Optimizer) -> MixedPrecisionOptimizer:
-        from nnscaler.runtime.mixed_precision import find_mixed_precision  # it imports this module
-
-        mp = find_mixed_precision(optimizer)
+    def _attach(self, optimizer: torch.optim.Optimizer) -> LossScaledOptimizer:
+        mp = _loss_scaled(optimizer)
         if mp is None:
             raise TypeError(
                 f"DynamicLossScaler works with MixedPrecisionAdam / MixedPrecisionAdamW (also under ZeRO), "

@@ -1,7 +1,7 @@
 """Orderly teardown at the end of a run. A process that exits with a gloo process group still up,
 or with gradient buckets that async collectives wrote into still alive, can abort in C++ while the
-interpreter shuts down ("terminate called without an active exception", exit code -6; measured: a
-2-rank data-parallel run aborted at exit in about 1 of 3 runs). `nnscaler.init` registers
+interpreter shuts down ("terminate called without an active exception", exit code -6; a
+2-rank data-parallel run did so intermittently). `nnscaler.init` registers
 `teardown` to run at exit; `nnscaler.uninit` runs it at once."""
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 from nnscaler.mesh import ParallelDims
-from nnscaler.runtime.buckets import DEFAULT_BUCKET_CAP_MB, Bucket, make_buckets
-from nnscaler.runtime.grad_ops import (  # re-exported: their historical home
+from nnscaler.runtime.dist.groups import create_groups, get_group
+from nnscaler.runtime.grads.buckets import DEFAULT_BUCKET_CAP_MB, Bucket, make_buckets
+from nnscaler.runtime.grads.grad_ops import (  # re-exported: their historical home
     average_gradients,
     first_holders,
     grad_sq_norm,
@@ -21,9 +22,8 @@ from nnscaler.runtime.grad_ops import (  # re-exported: their historical home
     scale_grads,
     sq_norm_of,
 )
-from nnscaler.runtime.groups import create_groups, get_group
-from nnscaler.runtime.hierarchy import Hierarchy, build_hierarchy
-from nnscaler.runtime.sync_flags import reductions_skipped
+from nnscaler.runtime.grads.hierarchy import Hierarchy, build_hierarchy
+from nnscaler.runtime.grads.sync_flags import reductions_skipped
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -435,7 +435,7 @@ def build_reducer(
         if stage not in (1, 2):
             raise ValueError(
                 f"ComputeConfig.zero_stage={stage!r}: build_reducer implements ZeRO stages 1 and 2 "
-                "(stage 3 is built by ParallelModule with nnscaler.runtime.zero3.build_zero3)"
+                "(stage 3 is built by ParallelModule with nnscaler.runtime.grads.zero3.build_zero3)"
             )
         zero_group, cross_group = zero_process_groups(rank, world_size, plan_ngpus, config.zero_ngroups)
     summed = getattr(config, "dp_grad_reduction", "mean") == "sum"

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from nnscaler.runtime.buckets import make_buckets
+from nnscaler.runtime.grads.buckets import make_buckets
 
 __all__ = ["average_gradients", "param_grad", "grad_sq_norm", "sq_norm_of", "first_holders", "scale_grads"]
 

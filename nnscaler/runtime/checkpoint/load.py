@@ -16,22 +16,21 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from nnscaler.errors import CheckpointError
-from nnscaler.runtime.checkpoint_checks import metas_of, missing_metadata
-from nnscaler.runtime.checkpoint_dist import (
+from nnscaler.runtime.checkpoint.checks import metas_of, missing_metadata
+from nnscaler.runtime.checkpoint.dist import (
     broadcast_optimizer_state,
     broadcast_weights,
     dp_first,
     optimizer_state_first,
     share_zero3_weights,
 )
-from nnscaler.runtime.checkpoint_keys import check_load_keys, module_keys
-from nnscaler.runtime.checkpoint_merge import group_names as _group_names
-from nnscaler.runtime.checkpoint_merge import merge_state_dicts
+from nnscaler.runtime.checkpoint.formats import OPTIMIZER_META_KEY, ZERO_SLICES_KEY
+from nnscaler.runtime.checkpoint.keys import check_load_keys, module_keys
+from nnscaler.runtime.checkpoint.merge import group_names as _group_names
+from nnscaler.runtime.checkpoint.merge import merge_state_dicts
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.optimizer import model_param_groups, optimizer_state_dict, parallel_modules, param_names
-from nnscaler.runtime.piece_meta import OPTIMIZER_META_KEY
 from nnscaler.runtime.shard import shard_slice
-from nnscaler.runtime.zero import ZERO_SLICES_KEY
 
 __all__ = [
     "merge_state_dicts",

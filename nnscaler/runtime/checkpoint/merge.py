@@ -18,10 +18,9 @@ from typing import Any
 import torch
 
 from nnscaler.errors import CheckpointError
-from nnscaler.runtime.checkpoint_checks import Piece, check_replica, pair_optimizers, read_pieces
-from nnscaler.runtime.module import EXTRA_STATE_KEY
+from nnscaler.runtime.checkpoint.checks import Piece, check_replica, pair_optimizers, read_pieces
+from nnscaler.runtime.checkpoint.formats import EXTRA_STATE_KEY, ZERO_SLICES_KEY
 from nnscaler.runtime.shard import assemble_shards, local_shape
-from nnscaler.runtime.zero import ZERO_SLICES_KEY
 
 __all__ = ["merge_state_dicts", "shard_map", "group_names"]
 
@@ -97,7 +96,7 @@ def merge_state_dicts(
     paired with its model state dict by the rank it records). Tied weights appear under every name.
     Optimizer states whose tensors have the parameter's shape (SGD momentum, Adam, AdamW, ...) are
     merged; scalar states (`step`) are copied. The fp32 master weights of the mixed-precision
-    optimizers are such a state (`"fp32_params"`, MASTER_KEY of nnscaler.runtime.mixed_precision):
+    optimizers are such a state (`"fp32_params"`, MASTER_KEY of nnscaler.runtime.grads.mixed_precision):
     `merged_optimizer["state"][i]["fp32_params"]` is parameter i's.
 
     Raises `CheckpointError` (a ValueError) when a state dict lacks its metadata (e.g. saved through

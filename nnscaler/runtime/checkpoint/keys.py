@@ -15,7 +15,8 @@ from typing import Any
 
 from torch import nn
 
-from nnscaler.runtime.module import EXTRA_STATE_FORMAT, EXTRA_STATE_KEY, ParallelModule
+from nnscaler.runtime.checkpoint.formats import EXTRA_STATE_FORMAT, EXTRA_STATE_KEY
+from nnscaler.runtime.module import ParallelModule
 
 __all__ = ["ModuleKeys", "module_keys", "check_load_keys"]
 

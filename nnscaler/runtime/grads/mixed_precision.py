@@ -47,8 +47,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nnscaler.runtime.grad_ops import param_grad
-from nnscaler.runtime.loss_scaler import DynamicLossScaler, any_nonfinite
+from nnscaler.runtime.grads.grad_ops import param_grad
+from nnscaler.runtime.grads.loss_scaler import DynamicLossScaler, any_nonfinite
 
 __all__ = [
     "MixedPrecisionOptimizer",
@@ -76,6 +76,8 @@ class MixedPrecisionOptimizer:
     parameters given. `loss_scaler`: a `DynamicLossScaler` (fp16), or None.
     """
 
+    takes_loss_scaler = True
+    """loss_scaler.LossScaledOptimizer: how DynamicLossScaler recognises one without importing this module."""
     reads_main_grad = True
     """Reads `param.main_grad` (fp32 reduced gradients) where present (ComputeConfig.reduce_grads_in_fp32)."""
 

@@ -6,8 +6,8 @@ from collections.abc import Iterable, Sequence
 
 import torch.distributed as dist
 
-from nnscaler.runtime.device import is_initialized
-from nnscaler.runtime.timeouts import group_timeout
+from nnscaler.runtime.dist.process_group import is_initialized
+from nnscaler.runtime.dist.timeouts import group_timeout
 
 __all__ = [
     "create_groups",
