@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from nnscaler.runtime.dist.checksums import combine_checksums, tensor_checksum
-from nnscaler.runtime.device import is_initialized
+from nnscaler.runtime.dist.process_group import is_initialized
 from nnscaler.runtime.dist.host_syncs import host_only
 
 __all__ = ["require_process_group", "check_plan_inputs", "named_call_inputs"]

@@ -133,6 +133,32 @@ class Reducer:
         groups = make_buckets([p for p in self.params[::-1] if id(p) not in late], bucket_cap_mb)
         nhooked = len(groups)
         groups += make_buckets([p for p in self.params[::-1] if id(p) in late], bucket_cap_mb)
+        self.buckets: list[Bucket] = self._flat_buckets(groups, nshards, index, grad_dtype)
+        self.upcast = any(b.upcast for b in self.buckets)
+        """Some gradients are kept wider than their parameters (in `.main_grad`, see buckets.py)."""
+        if self.async_op:
+            for bucket in self.buckets[:nhooked]:
+                for i, p in enumerate(bucket.params):
+                    self._hooks.append(
+                        p.register_post_accumulate_grad_hook(partial(self._on_grad, bucket, i))
+                    )
+        self.pieces: list[ZeroPiece] = []
+        for bucket in self.buckets if self.zero else []:
+            assert bucket.data is not None
+            for i, start, end in bucket.own_pieces():
+                o = bucket.offsets[i] + start
+                view = nn.Parameter(bucket.data[o : o + end - start], requires_grad=True)
+                self.pieces.append(ZeroPiece(bucket.params[i], view, start, end, bucket, o))
+
+    def _flat_buckets(
+        self,
+        groups: list[list[torch.nn.Parameter]],
+        nshards: int,
+        index: int,
+        grad_dtype: torch.dtype | None,
+    ) -> list[Bucket]:
+        """One Bucket per parameter group, each a slice of one flat gradient (and, under ZeRO, data)
+        buffer per (dtype, device), padded to a multiple of `nshards`."""
         sizes = [-(-sum(p.numel() for p in b) // nshards) * nshards for b in groups]
         totals: dict[tuple[torch.dtype, torch.device], int] = {}
         for b, size in zip(groups, sizes):
@@ -151,7 +177,7 @@ class Reducer:
         grads = flat(grad=True) if self.stage < 2 else {}
         data = flat(grad=False) if self.zero else {}
         used = dict.fromkeys(totals, 0)
-        self.buckets: list[Bucket] = []
+        buckets: list[Bucket] = []
         for b, size in zip(groups, sizes):
             key = (b[0].dtype, b[0].device)
             o, used[key] = used[key], used[key] + size
@@ -168,22 +194,8 @@ class Reducer:
             )
             if self.zero:
                 bucket.adopt_data()
-            self.buckets.append(bucket)
-        self.upcast = any(b.upcast for b in self.buckets)
-        """Some gradients are kept wider than their parameters (in `.main_grad`, see buckets.py)."""
-        if self.async_op:
-            for bucket in self.buckets[:nhooked]:
-                for i, p in enumerate(bucket.params):
-                    self._hooks.append(
-                        p.register_post_accumulate_grad_hook(partial(self._on_grad, bucket, i))
-                    )
-        self.pieces: list[ZeroPiece] = []
-        for bucket in self.buckets if self.zero else []:
-            assert bucket.data is not None
-            for i, start, end in bucket.own_pieces():
-                o = bucket.offsets[i] + start
-                view = nn.Parameter(bucket.data[o : o + end - start], requires_grad=True)
-                self.pieces.append(ZeroPiece(bucket.params[i], view, start, end, bucket, o))
+            buckets.append(bucket)
+        return buckets
 
     def _init_state(
         self,

@@ -124,25 +124,7 @@ class Zero3Reducer(Reducer):
             self.flats.append(flat)
             self._where.update((n, (flat, i)) for i, (n, _) in enumerate(members))
 
-        def wide(dtype: torch.dtype) -> torch.dtype:
-            if grad_dtype is None or torch.finfo(dtype).bits >= torch.finfo(grad_dtype).bits:
-                return dtype
-            return grad_dtype
-
-        self.buckets: list[Bucket] = []
-        self.pieces: list[ZeroPiece] = []
-        for flat in self.flats:
-            if not flat.requires_grad:
-                continue
-            bucket = Bucket(
-                flat.params, flat.size, None, None, index, nshards, self.grad_divisor, wide(flat.dtype)
-            )
-            flat.bucket = bucket
-            self.buckets.append(bucket)
-            for i, start, end in bucket.own_pieces():
-                o = bucket.offsets[i] + start
-                view = nn.Parameter(flat.shard[o - flat.lo : o - flat.lo + end - start], requires_grad=True)
-                self.pieces.append(ZeroPiece(flat.params[i], view, start, end, bucket, o))
+        self.buckets, self.pieces = self._block_buckets(nshards, index, grad_dtype)
         self.upcast = any(b.upcast for b in self.buckets)
 
         # the registered parameters keep shape, dtype and identity but no data
@@ -165,6 +147,32 @@ class Zero3Reducer(Reducer):
         """Data pointer of each gathered buffer -> its flat buffer (to recognise saved tensors)."""
         self._hooks_ctx: Any = None
         self._depth = 0
+
+    def _block_buckets(
+        self, nshards: int, index: int, grad_dtype: torch.dtype | None
+    ) -> tuple[list[Bucket], list[ZeroPiece]]:
+        """A gradient bucket per flat buffer that needs gradients, and this rank's pieces of each."""
+
+        def wide(dtype: torch.dtype) -> torch.dtype:
+            if grad_dtype is None or torch.finfo(dtype).bits >= torch.finfo(grad_dtype).bits:
+                return dtype
+            return grad_dtype
+
+        buckets: list[Bucket] = []
+        pieces: list[ZeroPiece] = []
+        for flat in self.flats:
+            if not flat.requires_grad:
+                continue
+            bucket = Bucket(
+                flat.params, flat.size, None, None, index, nshards, self.grad_divisor, wide(flat.dtype)
+            )
+            flat.bucket = bucket
+            buckets.append(bucket)
+            for i, start, end in bucket.own_pieces():
+                o = bucket.offsets[i] + start
+                view = nn.Parameter(flat.shard[o - flat.lo : o - flat.lo + end - start], requires_grad=True)
+                pieces.append(ZeroPiece(flat.params[i], view, start, end, bucket, o))
+        return buckets, pieces
 
     # ---- gathering -----------------------------------------------------------------------------------
 
