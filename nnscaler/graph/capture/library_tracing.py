@@ -28,9 +28,9 @@ __all__ = ["static_shape_choices"]
 def _values_unknown(is_tracing: Callable[..., bool]) -> Callable[..., bool]:
     """transformers' `is_tracing(tensor)` answers True for any call under torch.export (through
     `is_torchdynamo_compiling`, in 5.17 and earlier: its masks then skip nothing, and a causal model
-    runs SDPA with a full S x S mask, measured 3.3x slower in backward on an H100 at 8K). What its
-    mask code asks is whether a tensor's values are unknown while tracing: never for a tensor that is
-    not there (no padding mask), still for a mask given as an input."""
+    runs SDPA with a full S x S mask instead of the causal kernel: several times slower in backward at
+    long sequences). What its mask code asks is whether a tensor's values are unknown while tracing:
+    never for a tensor that is not there (no padding mask), still for a mask given as an input."""
 
     def values_unknown(tensor: Any = None) -> bool:
         return tensor is not None and is_tracing(tensor)
