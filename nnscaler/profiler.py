@@ -1,67 +1,24 @@
-"""Measured costs for autodist: time a module's ops (and, on a live process group, its link) on this
-machine's device — CPU or the current CUDA device — into a JSON database that
-`pas_config['profile_db_path']` hands to the search in place of the analytic figures.
+"""`nnscaler.profiler`: the public name of autodist's measured op costs.
 
     python -m nnscaler.profiler --model tests.zoo.build_gpt --ways 1,2 --out ops.json
 
-or from Python: `profile_module(model, dummy_inputs, ways=(1, 2)).save("ops.json")`.
+or from Python: `profile_module(model, dummy_inputs, ways=(1, 2)).save("ops.json")`. The
+implementation is `nnscaler.policies.autodist.profiler`; the command is `nnscaler.cli.profile`.
 """
 
 from __future__ import annotations
 
-import argparse
-import time
-from pathlib import Path
-from typing import Any
-
-import torch
-
-from nnscaler.graph.capture import capture
-from nnscaler.policies.autodist.profiler import ProfileDB, fit_link, profile_graph, profile_link
+from nnscaler.policies.autodist.profiler import (
+    ProfileDB,
+    fit_link,
+    profile_graph,
+    profile_link,
+    profile_module,
+)
 
 __all__ = ["ProfileDB", "profile_module", "profile_graph", "profile_link", "fit_link"]
 
-
-def profile_module(
-    module: torch.nn.Module,
-    dummy_forward_args: dict[str, Any],
-    ways: tuple[int, ...] = (1,),
-    repeats: int = 5,
-    device: str | torch.device | None = None,
-    db: ProfileDB | None = None,
-) -> ProfileDB:
-    """Trace `module(**dummy_forward_args)` (its own train/eval mode) and time every op at the local
-    shapes of its candidate splits over each of `ways` devices, on `device` (default: CUDA where
-    there is one, else the CPU). The module's weights are not used: ops run on random inputs."""
-    graph = capture(module, dummy_forward_args, both_modes=False)
-    return profile_graph(graph, ways=ways, repeats=repeats, db=db, device=device)
-
-
-def main(argv: list[str] | None = None) -> None:
-    from nnscaler.parallel.plan_cli import build_model
-
-    ap = argparse.ArgumentParser(prog="python -m nnscaler.profiler", description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--model", help="dotted builder returning (module, make_batch or inputs), e.g. tests.zoo.build_gpt"
-    )
-    ap.add_argument("--hf-config", help="a transformers config.json (weights are not needed)")
-    ap.add_argument("--batch", type=int, default=4, help="batch of the dummy input")
-    ap.add_argument("--seq", type=int, default=2048, help="sequence length (with --hf-config)")
-    ap.add_argument("--ways", default="1,2", help="split degrees to time each op at, e.g. 1,2,4")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--device", default=None, help="'cpu' or 'cuda' (default: cuda where available)")
-    ap.add_argument("--out", required=True, help="the database to write (entries are added to it)")
-    args = ap.parse_args(argv)
-    if not args.model and not args.hf_config:
-        ap.error("give --model or --hf-config")
-    module, inputs = build_model(args.model, args.hf_config, args.batch, args.seq)
-    db = ProfileDB.load(args.out) if Path(args.out).exists() else None
-    t0 = time.perf_counter()
-    ways = tuple(int(w) for w in args.ways.split(","))
-    db = profile_module(module, inputs, ways, args.repeats, args.device, db)
-    db.save(args.out)
-    print(f"{len(db.entries)} op timings on {db.device} in {args.out} ({time.perf_counter() - t0:.1f}s)")
-
-
 if __name__ == "__main__":
+    from nnscaler.cli.profile import main
+
     main()

@@ -31,4 +31,6 @@ def test_llama3_8b_meta_tp8(tmp_path):
     assert notes.count("column-parallel") == 2 * 5 + 1 and notes.count("row-parallel") == 2 * 2
     text = (outdir / "gencode5.py").read_text()
     assert "shard=(0, 5, 8, 1))" in text  # rank 5 holds the sixth slice of the column-split weights
-    assert text.count("comm.reduce_from_group(") == 2 * 2 + 1  # attention + MLP per layer, + embedding
+    # both layers call one layer function: attention + MLP reductions written once, + the embedding's
+    assert text.count("self._layer_LlamaDecoderLayer(_LayerParams(self, ") == 2
+    assert text.count("comm.reduce_from_group(") == 2 + 1

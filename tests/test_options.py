@@ -13,13 +13,12 @@ import torch
 
 from nnscaler import ComputeConfig, parallelize
 from nnscaler.errors import ConfigError, PlanError
-from nnscaler.policies import BUILTIN_POLICIES
+from nnscaler.policies import BUILTIN_POLICIES, validate_pas_config
 from nnscaler.policies.options import (
     POLICY_OPTIONS,
     HybridOptions,
     PpOptions,
     parse_pas_config,
-    validate_pas_config,
 )
 from tests import zoo
 from tests.dist_util import spawn

@@ -8,6 +8,8 @@ Atomicity: every rank writes its file into `.tmp-{name}/` (temporary file, fsync
 barrier rank 0 writes `complete.json`, fsyncs, renames the directory to `{name}` and only then
 repoints `last` (a new symlink renamed over the old one). A process killed at any point leaves the
 previous checkpoint and `last` intact; stale `.tmp-*` directories are removed by the next save.
+The atomic writing is the runtime's (nnscaler.runtime.checkpoint.files); this module keeps the
+Trainer's layout: file names, `complete.json`, pointers and pruning.
 """
 
 from __future__ import annotations
@@ -19,10 +21,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from nnscaler.errors import CheckpointError
+from nnscaler.runtime.checkpoint.files import (
+    atomic_save,
+    barrier,
+    fsync_dir,
+    write_fsynced,
+    write_rank_dir,
+)
+from nnscaler.runtime.checkpoint.files import load_file as read_torch_file
 
 __all__ = [
     "COMPLETE_FILE",
@@ -46,37 +53,14 @@ def rank_file(directory: Path, rank: int) -> Path:
     return Path(directory) / f"{rank}.ckpt"
 
 
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_file(path: Path, obj: Any) -> None:
     """torch.save into an open file and fsync it (tests replace this to crash mid-write)."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    write_fsynced(path, obj)
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
     """torch.save to `path` through a temporary file: `path` is either absent, old, or complete."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        _write_file(tmp, obj)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    atomic_save(obj, path, _write_file)
 
 
 def write_checkpoint_dir(
@@ -87,32 +71,25 @@ def write_checkpoint_dir(
     info: dict[str, Any],
 ) -> Path:
     """Write this rank's `files` (file name -> object) into `save_dir/name` atomically (all ranks
-    call it; rank 0 finishes the directory). Returns the final directory."""
+    call it; rank 0 finishes the directory with `complete.json`). Returns the final directory."""
     save_dir = Path(save_dir)
-    final = save_dir / name
-    tmp = save_dir / f".tmp-{name}"
     if rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
         for stale in save_dir.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    barrier()
-    for file_name, obj in files.items():
-        atomic_torch_save(obj, tmp / file_name)
-    barrier()
-    if rank == 0:
+
+    def finish(tmp: Path) -> None:
         (tmp / COMPLETE_FILE).write_text(json.dumps(info, indent=1, sort_keys=True))
-        _fsync_dir(tmp)
-        if final.exists() or final.is_symlink():
-            old = save_dir / f".tmp-old-{name}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(save_dir)
-    barrier()
-    return final
+
+    return write_rank_dir(
+        save_dir / name,
+        save_dir / f".tmp-{name}",
+        save_dir / f".tmp-old-{name}",
+        rank,
+        files,
+        write=_write_file,
+        finish=finish,
+    )
 
 
 def point(save_dir: Path, pointer: str, target: Path, symlink: bool = True) -> None:
@@ -126,7 +103,7 @@ def point(save_dir: Path, pointer: str, target: Path, symlink: bool = True) -> N
         os.symlink(os.path.relpath(target, save_dir), tmp)
     else:
         shutil.copytree(target, tmp)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
     if link.is_dir() and not link.is_symlink():  # a copy: a directory cannot be renamed over
         old = save_dir / f".tmp-old-{pointer}"
         _remove(old)
@@ -138,7 +115,7 @@ def point(save_dir: Path, pointer: str, target: Path, symlink: bool = True) -> N
         os.replace(tmp, link)
     else:
         os.replace(tmp, link)
-    _fsync_dir(save_dir)
+    fsync_dir(save_dir)
 
 
 def _remove(path: Path) -> None:
@@ -195,11 +172,7 @@ def checkpoint_info(path: Path) -> dict[str, Any]:
 
 
 def load_file(path: Path, convert_fn: Callable[[dict], dict] | None = None) -> dict[str, Any]:
-    """torch.load a checkpoint file (weights_only=False: the file holds train args and RNG states)."""
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=False)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} is missing") from None
-    except Exception as err:
-        raise CheckpointError(f"checkpoint file {path} cannot be read: {err}") from err
+    """torch.load a checkpoint file (weights_only=False: the file holds train args and RNG states),
+    then `convert_fn` on it."""
+    data = read_torch_file(path)
     return convert_fn(data) if convert_fn is not None else data

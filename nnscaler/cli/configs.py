@@ -15,6 +15,7 @@ from nnscaler.cli.loading import load_type
 from nnscaler.cli.train_hook import HOOK_NAMES, TrainHook
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import ConfigError
+from nnscaler.runtime.checkpoint.save_types import SAVE_TYPES
 
 __all__ = [
     "OptionalComputeConfig",
@@ -38,7 +39,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SAVE_TYPES = ("sharded", "deduped", "merged")
 REDUCTIONS = ("mean", "sum", "per-token-mean")
 
 

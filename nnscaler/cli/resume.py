@@ -16,36 +16,40 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from nnscaler.cli import checkpoint as ck
+import nnscaler.cli.checkpoint as ck
+from nnscaler.cli.configs import CheckpointConfig
+from nnscaler.cli.loading import load_type
 from nnscaler.cli.mixed import plan_of
+from nnscaler.cli.state import rng_states
+from nnscaler.cli.trainer_view import TrainerView
 from nnscaler.errors import CheckpointError
-from nnscaler.runtime import (
-    deduped_state_dict,
-    load_deduped_state_dict,
-    load_merged_state_dict,
-    load_sharded_state_dict,
-    merge_state_dicts,
-)
+from nnscaler.runtime.checkpoint import load_merged_state_dict, merge_state_dicts
 from nnscaler.runtime.checkpoint.keys import module_keys
+from nnscaler.runtime.checkpoint.save_types import (
+    MERGED,
+    PER_RANK_SAVE_TYPES,
+    load_local_state_dicts,
+    local_state_dicts,
+)
 from nnscaler.version import __version__
-
-if TYPE_CHECKING:
-    from nnscaler.cli.configs import CheckpointConfig
-    from nnscaler.cli.trainer import Trainer
 
 __all__ = ["save", "resume", "check_before_start", "merge_checkpoint", "read_merged"]
 
 logger = logging.getLogger(__name__)
 
 
-def _common(trainer: Trainer) -> dict[str, Any]:
-    from nnscaler.cli.state import rng_states
+class SavingTrainer(TrainerView, Protocol):
+    """What saving and resuming use of the Trainer: its public state and the step it last saved."""
 
+    _saved_step: int
+
+
+def _common(trainer: SavingTrainer) -> dict[str, Any]:
     return {
         "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
         "train_status": dict(trainer.train_status),
@@ -67,7 +71,7 @@ def _gather(obj: Any, world_size: int) -> list[Any] | None:
     return out
 
 
-def save(trainer: Trainer, epoch: int) -> Path | None:
+def save(trainer: SavingTrainer, epoch: int) -> Path | None:
     """Write a checkpoint of the trainer's current state (every rank calls it)."""
     cfg = trainer.train_args.checkpoint
     status = trainer.train_status
@@ -81,7 +85,7 @@ def save(trainer: Trainer, epoch: int) -> Path | None:
         status["best_loss"] = loss
     common = _common(trainer)
     model, opt = trainer.model, trainer.optimizer
-    if cfg.save_type == "merged":
+    if cfg.save_type == MERGED:
         pieces = _gather((model.state_dict(), opt.state_dict(), common), trainer.world_size)
         files = {}
         if pieces is not None:
@@ -95,10 +99,7 @@ def save(trainer: Trainer, epoch: int) -> Path | None:
                 }
             }
     else:
-        if cfg.save_type == "deduped":
-            model_sd, opt_sd = deduped_state_dict(model, opt)
-        else:
-            model_sd, opt_sd = model.state_dict(), opt.state_dict()
+        model_sd, opt_sd = local_state_dicts(model, opt, cfg.save_type)
         files = {
             ck.rank_file(Path("."), trainer.rank).name: {**common, "model": model_sd, "optimizer": opt_sd}
         }
@@ -135,7 +136,7 @@ def read_merged(path: Path, convert_fn: Any = None) -> dict[str, Any]:
     if path.is_file():
         return ck.load_file(path, convert_fn)
     info = ck.checkpoint_info(path)
-    if info["save_type"] == "merged":
+    if info["save_type"] == MERGED:
         return ck.load_file(path / ck.MERGED_FILE, convert_fn)
     datas = [ck.load_file(ck.rank_file(path, r), convert_fn) for r in range(info["world_size"])]
     try:
@@ -166,7 +167,7 @@ def check_before_start(cfg: CheckpointConfig) -> None:
         )
 
 
-def resume(trainer: Trainer) -> None:
+def resume(trainer: SavingTrainer) -> None:
     """Load the checkpoint that `checkpoint.resume_from` names, if any (every rank calls it)."""
     cfg = trainer.train_args.checkpoint
     path = cfg.get_resume_checkpoint()
@@ -180,13 +181,11 @@ def resume(trainer: Trainer) -> None:
     opts = cfg.resume_from
     convert = None
     if opts.convert_fn:
-        from nnscaler.cli.loading import load_type
-
         convert = load_type(opts.convert_fn)
     info = ck.checkpoint_info(path)
     plans = info.get("plans") or []
     same_plan = (
-        info["save_type"] in ("sharded", "deduped")
+        info["save_type"] in PER_RANK_SAVE_TYPES
         and info.get("world_size") == trainer.world_size == len(plans)
         and plans[trainer.rank] == plan_of(trainer.model)
         and not opts.with_merged
@@ -196,10 +195,7 @@ def resume(trainer: Trainer) -> None:
         data = ck.load_file(ck.rank_file(path, trainer.rank), convert)
         trainer.hook.on_load_checkpoint(trainer, data)
         try:
-            if info["save_type"] == "deduped":
-                load_deduped_state_dict(model, data["model"], opt, data["optimizer"])
-            else:
-                load_sharded_state_dict(model, data["model"], opt, data["optimizer"])
+            load_local_state_dicts(model, info["save_type"], data["model"], opt, data["optimizer"])
         except (CheckpointError, ValueError, RuntimeError, KeyError) as err:
             raise CheckpointError(f"checkpoint {path} does not fit this model: {err}") from err
         rng = data["rng_states"]
@@ -225,7 +221,7 @@ def resume(trainer: Trainer) -> None:
         logger.info("resumed from %s at step %d", path, trainer.train_status["step"])
 
 
-def _check_keys(trainer: Trainer, path: Path, model_sd: dict[str, Any]) -> None:
+def _check_keys(trainer: SavingTrainer, path: Path, model_sd: dict[str, Any]) -> None:
     """The merged state must hold every tensor of this rank and nothing that no rank holds (a rank of a
     pipeline holds only its stage: the check is over the union of all ranks' keys)."""
     keys = module_keys(trainer.model)

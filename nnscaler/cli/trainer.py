@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nnscaler.cli import resume as _resume
+import nnscaler.cli.resume as _resume
 from nnscaler.cli.aggregate import AggregatedOutputs, default_aggregate, scale_grads
 from nnscaler.cli.loading import load_type
 from nnscaler.cli.mixed import infer_micro_batches, model_device, parallelize_sub_modules, run_micro_batches

@@ -5,7 +5,8 @@
     args = TrainerArgs.from_dict({...})
 
 Field names follow nnScaler v0.8. The nested dataclasses are in nnscaler.cli.configs (re-exported
-here); the grammar of the command line is in nnscaler.cli.arg_parser.
+here); the grammar of the command line is in nnscaler.cli.arg_parser; precision names and the
+batch-size arithmetic are in nnscaler.cli.arg_values.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import importlib
 import logging
 import random
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
 import torch
 import yaml
@@ -32,6 +33,7 @@ from nnscaler.cli.arg_parser import (
     merge_args,
     resolve_args,
 )
+from nnscaler.cli.arg_values import PRECISIONS, resolve_batch_sizes, resolve_precision
 from nnscaler.cli.configs import (
     ArgsTrainHook,
     CheckpointConfig,
@@ -52,11 +54,9 @@ from nnscaler.cli.configs import (
 )
 from nnscaler.cli.loading import TypeLoadError, load_type
 from nnscaler.cli.train_hook import TrainHook
+from nnscaler.cli.trainer_view import TrainerView
 from nnscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
 from nnscaler.errors import ConfigError
-
-if TYPE_CHECKING:
-    from nnscaler.cli.trainer import Trainer
 
 __all__ = [
     "TrainerArgs",
@@ -82,24 +82,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "none": None}
-_TENSOR_KINDS = ("param", "buffer", "input")
-
-
-def _resolve_precision(value: Any) -> dict[str, str]:
-    if value is None:
-        value = "none"
-    if isinstance(value, str):
-        value = dict.fromkeys(_TENSOR_KINDS, value)
-    if not isinstance(value, dict):
-        raise ConfigError(f"precision must be a string or a mapping over {_TENSOR_KINDS}, got {value!r}")
-    for kind, p in value.items():
-        if kind not in _TENSOR_KINDS:
-            raise ConfigError(f"precision.{kind}: unknown tensor kind; use {', '.join(_TENSOR_KINDS)}")
-        if p not in PRECISIONS:
-            raise ConfigError(f"precision.{kind} must be one of {', '.join(PRECISIONS)}, got {p!r}")
-    return {kind: value.get(kind, "none") for kind in _TENSOR_KINDS}
 
 
 def _deserialize_hook(value: Any) -> Union[HookConfig, HookMapConfig, None]:
@@ -200,7 +182,9 @@ class TrainerArgs:
             raise ConfigError(
                 "compute_config.use_end2end must be True: the trainer runs train_step (leave it out to get True)"
             )
-        self._check_batch_sizes()
+        self.global_batch_size, self.grad_accumulation_steps = resolve_batch_sizes(
+            self.micro_batch_size, self.global_batch_size, self.grad_accumulation_steps, self.compute_config
+        )
         if self.run_mode not in ("run", "compile"):
             raise ConfigError(f"run_mode must be 'run' or 'compile', got {self.run_mode!r}")
         reuse_values = [e.value for e in ReuseType]
@@ -213,7 +197,7 @@ class TrainerArgs:
             raise ConfigError(
                 f"broadcast_strategy must be one of {strategies}, got {self.broadcast_strategy!r}"
             )
-        self.precision = _resolve_precision(self.precision)
+        self.precision = resolve_precision(self.precision)
         if not self.max_epochs and not self.max_train_steps:
             raise ConfigError("max_epochs or max_train_steps is required")
         for name in ("model", "optimizer", "dataset"):
@@ -241,39 +225,6 @@ class TrainerArgs:
         if self.seed is None and self.init_env_fn is None:
             logger.warning("neither seed nor init_env_fn is set: runs are not reproducible")
         self._vars = self.create_kwarg(self.vars)
-
-    def _check_batch_sizes(self) -> None:
-        micro, gbs, accum, sf = (
-            self.micro_batch_size,
-            self.global_batch_size,
-            self.grad_accumulation_steps,
-            self.scaling_factor,
-        )
-        for name, value in (
-            ("micro_batch_size", micro),
-            ("global_batch_size", gbs),
-            ("grad_accumulation_steps", accum),
-        ):
-            if value is not None and value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}")
-        if gbs is None and accum is None:
-            accum = 1
-        if gbs is None:
-            gbs = micro * sf * accum
-        if accum is None:
-            accum, rem = divmod(gbs, micro * sf)
-            if rem or not accum:
-                raise ConfigError(
-                    f"global_batch_size ({gbs}) must be a multiple of micro_batch_size ({micro}) x data-parallel "
-                    f"replicas ({sf} = runtime_ngpus {self.compute_config.runtime_ngpus} // plan_ngpus "
-                    f"{self.compute_config.plan_ngpus})"
-                )
-        if gbs != micro * sf * accum:
-            raise ConfigError(
-                f"inconsistent batch sizes: global_batch_size ({gbs}) != micro_batch_size ({micro}) x data-parallel "
-                f"replicas ({sf}) x grad_accumulation_steps ({accum}) = {micro * sf * accum}; give any two of them"
-            )
-        self.global_batch_size, self.grad_accumulation_steps = gbs, accum
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -413,7 +364,7 @@ class TrainerArgs:
             return load_type(self.hook.type)(**self.create_kwarg(self.hook.args))
         return ArgsTrainHook(self.hook)
 
-    def init_env(self, trainer: Trainer) -> None:
+    def init_env(self, trainer: TrainerView) -> None:
         """Seed every generator; then call init_env_fn."""
         if self.seed is not None:
             import numpy as np

@@ -22,13 +22,14 @@ def generate_code(
     full_shapes: dict[str, tuple],
     version: str,
     plan_fingerprint: str | None = None,
+    layer_functions: bool = True,
 ) -> str:
     """The source of gencode{rank}.py; `plan_fingerprint` (the same for every rank) goes into the class,
-    so checkpoints name the plan they were saved under."""
-    if isinstance(program, PipelineProgram):
-        view = build_pipeline_view(program, rank, cfg, model_name, policy, full_shapes, version)
-    else:
-        view = build_module_view(program, rank, cfg, model_name, policy, full_shapes, version)
+    so checkpoints name the plan they were saved under. `layer_functions`: repeated layers that share
+    their code are written once, as methods called per layer (False: every layer inline, every value a
+    local of the forward)."""
+    build = build_pipeline_view if isinstance(program, PipelineProgram) else build_module_view
+    view = build(program, rank, cfg, model_name, policy, full_shapes, version, layer_functions)
     imports, attrs = leaf_module_lines(program)  # opaque leaf modules: the runtime's `leaf.call`
     view.imports += imports
     view.class_attrs += attrs

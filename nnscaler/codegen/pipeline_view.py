@@ -2,74 +2,35 @@
 
 from __future__ import annotations
 
+import functools
+
 from nnscaler.codegen.constants_code import constants_attrs, pipeline_constant_users
 from nnscaler.codegen.expr import Formatter
-from nnscaler.codegen.safe_text import comment_text, docstring_text, literal
+from nnscaler.codegen.inputs_code import unpack_inputs
+from nnscaler.codegen.layer_functions import LayerFunction, LayerFunctions, StatementList
+from nnscaler.codegen.pipeline_layout import PipelineLayout
+from nnscaler.codegen.safe_text import docstring_text, literal
 from nnscaler.codegen.schedule_code import pipeline_infer_lines, pipeline_train_lines
 from nnscaler.codegen.sections import build_sections
 from nnscaler.codegen.shape_code import shape_code, sizes_read, uses_math
+from nnscaler.codegen.shards_code import frozen_params, shard_lines
 from nnscaler.codegen.view_model import (
-    CodeLine,
     ModuleView,
-    Section,
     StageView,
-    _trailing,
-    _unpack_inputs,
     custom_op_imports,
     end2end_attrs,
-    frozen_params,
+    header_lines,
     inference_attrs,
-    shard_lines,
+    make_formatter,
+    statement_trailing,
 )
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import CodegenError
+from nnscaler.graph.ir import iter_refs
 from nnscaler.mesh import mesh_axis_groups, rank_axis_groups
 from nnscaler.partition import LocalTensor, PipelineProgram
 
 __all__ = ["PipelineLayout", "build_pipeline_view"]
-
-
-class PipelineLayout:
-    """Which global rank runs which stage: stage s on device group s % pp_size of each replica."""
-
-    def __init__(self, cfg: ComputeConfig, pp_size: int):
-        self.cfg, self.pp_size, self.tp = cfg, pp_size, cfg.plan_ngpus // pp_size
-
-    def position(self, rank: int) -> tuple[int, int, int]:
-        """(replica base rank, device group, index inside the group's tensor parallelism)."""
-        device = rank % self.cfg.plan_ngpus
-        return rank - device, device // self.tp, device % self.tp
-
-    def rank(self, base: int, group: int, tp_index: int) -> int:
-        return base + group * self.tp + tp_index
-
-    def stage_rank(self, rank: int, stage: int) -> int:
-        """The rank running `stage` that exchanges activations with `rank` (same replica and tp index)."""
-        base, _, i = self.position(rank)
-        return self.rank(base, stage % self.pp_size, i)
-
-    def tp_group(self, rank: int) -> list[int]:
-        base, g, _ = self.position(rank)
-        return [self.rank(base, g, i) for i in range(self.tp)]
-
-    def pp_group(self, rank: int) -> list[int]:
-        base, _, i = self.position(rank)
-        return [self.rank(base, g, i) for g in range(self.pp_size)]
-
-    def all_groups(self, tied_devices: list[list[int]]) -> list[list[int]]:
-        """Every tp, pp and tied-weight group of every replica (each rank creates all, in this order)."""
-        out: list[list[int]] = []
-        for rank in range(self.cfg.runtime_ngpus):
-            for grp in (self.tp_group(rank), self.pp_group(rank)):
-                if grp not in out:
-                    out.append(grp)
-        for groups in tied_devices:
-            for base in range(0, self.cfg.runtime_ngpus, self.cfg.plan_ngpus):
-                for i in range(self.tp):
-                    grp = [self.rank(base, g, i) for g in groups]
-                    if grp not in out:
-                        out.append(grp)
-        return out
 
 
 def _stage_tensors(pprog: PipelineProgram, stages: list[int]) -> list[LocalTensor]:
@@ -113,49 +74,31 @@ def _spec(meta) -> str:
     return f"TensorSpec({shape_code(meta)}, torch.{meta.dtype}, {meta.requires_grad})"
 
 
-def build_pipeline_view(
-    pprog: PipelineProgram,
-    rank: int,
-    cfg: ComputeConfig,
-    model_name: str,
-    policy: str,
-    full_shapes: dict[str, tuple],
-    version: str,
-) -> ModuleView:
-    """Everything the template needs to write a pipelined gencode{rank}.py."""
+def _pipeline_header(
+    pprog: PipelineProgram, layout: PipelineLayout, rank: int, groups: dict, mine: list[int], meta: tuple
+) -> list[str]:
+    cfg, (model_name, policy, version) = layout.cfg, meta
     pipe = pprog.pipeline
-    layout = PipelineLayout(cfg, pipe.pp_size)
-    base, group, tp_index = layout.position(rank)
-    mine = [s.index for s in pprog.stages if s.index % pipe.pp_size == group]
-    ways = pprog.tp_size
-    tensors = _stage_tensors(pprog, mine)
-    param_names = {t.name for t in tensors}
-    mesh = pprog.stages[0].program.mesh if pprog.stages else ()
-    fmt = Formatter(
-        tp_index,
-        param_names,
-        sync_batch_norm=cfg.runtime_ngpus > cfg.plan_ngpus,
-        rank=rank,
-        plan_ngpus=cfg.plan_ngpus,
-        runtime_ngpus=cfg.runtime_ngpus,
-        mesh=mesh,
-    )
-    frozen = frozen_params([s.program for s in pprog.stages])
-    shards, aliases = shard_lines(tensors, tp_index, ways, mesh, frozen)
-    tied = _tied_groups(pprog)
-    tied_lines = [
-        f"self.add_tied({literal(name)}, {[layout.rank(base, g, tp_index) for g in groups]})"
-        f"  # used by stages {pprog.param_stages[name]}: gradients summed across them"
-        for name, groups in tied.items()
-        if name in param_names
+    stage_ranks = {s: layout.stage_rank(rank, s) for s in range(pipe.nstages)}
+    tail = [
+        f"config: ComputeConfig(plan_ngpus={cfg.plan_ngpus}, runtime_ngpus={cfg.runtime_ngpus}, use_end2end=True)",
+        f"pipeline: {pipe.nstages} stages on {pipe.pp_size} device groups, schedule {pipe.scheduler}, "
+        f"{pipe.nmicros} micro-batches per train_step",
+        f"this rank runs stage{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))}; "
+        f"stage -> rank: {stage_ranks}",
+        f"groups: tensor-parallel {groups['tp']}; pipeline {groups['pp']}; data-parallel {groups['dp']}",
     ]
-    built = [_stage_view(pprog, s, fmt, full_shapes) for s in mine]
-    stages = [view for view, _ in built]
-    dp_group = cfg.dims.dp_group(rank)
+    return header_lines(version, rank, cfg, model_name, policy, tail)
+
+
+def _pipeline_init_call(
+    pprog: PipelineProgram, layout: PipelineLayout, rank: int, tied: dict[str, list[int]], mesh: tuple
+) -> tuple[str, dict]:
+    cfg = layout.cfg
     all_groups = layout.all_groups(list(tied.values())) + [
         cfg.dims.dp_group(r) for r in range(cfg.plan_ngpus)
     ]
-    groups = {"tp": layout.tp_group(rank), "dp": dp_group, "pp": layout.pp_group(rank)}
+    groups = {"tp": layout.tp_group(rank), "dp": cfg.dims.dp_group(rank), "pp": layout.pp_group(rank)}
     if mesh:
         groups.update(rank_axis_groups(layout.tp_group(rank), mesh, rank))
         tp_groups = {tuple(layout.tp_group(r)) for r in range(cfg.runtime_ngpus)}
@@ -166,47 +109,93 @@ def build_pipeline_view(
         f"super().__init__(rank={rank}, world_size={cfg.runtime_ngpus}, plan_ngpus={cfg.plan_ngpus}, "
         f"groups={groups}, all_groups={all_groups})"
     )
-    stage_ranks = {s: layout.stage_rank(rank, s) for s in range(pipe.nstages)}
-    header = [
-        f"Generated by nnscaler {version} for rank {rank} of {cfg.runtime_ngpus}. Regenerated per `reuse` when",
-        "the model, the dummy inputs, the policy or the ComputeConfig change.",
-        f"model:  {model_name}",
-        f"policy: {policy}    plan: plan.json",
-        f"config: ComputeConfig(plan_ngpus={cfg.plan_ngpus}, runtime_ngpus={cfg.runtime_ngpus}, use_end2end=True)",
-        f"pipeline: {pipe.nstages} stages on {pipe.pp_size} device groups, schedule {pipe.scheduler}, "
-        f"{pipe.nmicros} micro-batches per train_step",
-        f"this rank runs stage{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))}; "
-        f"stage -> rank: {stage_ranks}",
-        f"groups: tensor-parallel {groups['tp']}; pipeline {groups['pp']}; data-parallel {dp_group}",
-    ]
-    header = [comment_text(line) for line in header]  # names from the user's model: one line each
-    class_attrs = end2end_attrs(pprog.inputs.forward_args, pipe.nmicros, stage_ranks[pipe.nstages - 1], True)
+    return init_call, groups
+
+
+def _pipeline_attrs(pprog: PipelineProgram, layout: PipelineLayout, rank: int) -> list[str]:
+    pipe, cfg = pprog.pipeline, layout.cfg
+    base, _, _ = layout.position(rank)
+    last = layout.stage_rank(rank, pipe.nstages - 1)
+    attrs = end2end_attrs(pprog.inputs.forward_args, pipe.nmicros, last, True)
     stage_groups = {
         s: [layout.rank(base, s % pipe.pp_size, i) for i in range(layout.tp)] for s in range(pipe.nstages)
     }
-    class_attrs += inference_attrs(cfg) + constants_attrs(
-        pipeline_constant_users(pprog, stage_groups.__getitem__)
+    return (
+        attrs
+        + inference_attrs(cfg)
+        + constants_attrs(pipeline_constant_users(pprog, stage_groups.__getitem__))
     )
+
+
+def _stage_views(
+    pprog: PipelineProgram, mine: list[int], fmt: Formatter, full_shapes: dict, enabled: bool
+) -> tuple[list[StageView], list[LayerFunction], bool]:
+    """The stage methods of this rank (repeated layers of all of them folded into shared functions)."""
+    layers = LayerFunctions(fmt, enabled)
+    bodies = []
+    for index in mine:
+        program = pprog.stages[index].program
+        trailing = functools.partial(statement_trailing, program=program, full_shapes=full_shapes)
+        keep = [r.name for r in iter_refs(program.outputs)]
+        bodies.append(
+            StatementList(program.statements, keep, trailing, program.recompute, program.module_classes)
+        )
+    folded = layers.fold(bodies)
+    built = [_stage_view(pprog, s, fmt, body, stmts) for s, body, stmts in zip(mine, bodies, folded)]
+    uses_checkpoint = any(uses for _, uses in built) or any(f.uses_checkpoint for f in layers.functions)
+    return [view for view, _ in built], layers.functions, uses_checkpoint
+
+
+def build_pipeline_view(
+    pprog: PipelineProgram,
+    rank: int,
+    cfg: ComputeConfig,
+    model_name: str,
+    policy: str,
+    full_shapes: dict[str, tuple],
+    version: str,
+    layer_functions: bool = True,
+) -> ModuleView:
+    """Everything the template needs to write a pipelined gencode{rank}.py."""
+    pipe = pprog.pipeline
+    layout = PipelineLayout(cfg, pipe.pp_size)
+    base, group, tp_index = layout.position(rank)
+    mine = [s.index for s in pprog.stages if s.index % pipe.pp_size == group]
+    tensors = _stage_tensors(pprog, mine)
+    param_names = {t.name for t in tensors}
+    mesh = pprog.stages[0].program.mesh if pprog.stages else ()
+    fmt = make_formatter(cfg, rank, tp_index, param_names, mesh)
+    frozen = frozen_params([s.program for s in pprog.stages])
+    shards, aliases = shard_lines(tensors, tp_index, pprog.tp_size, mesh, frozen)
+    tied = _tied_groups(pprog)
+    tied_lines = [
+        f"self.add_tied({literal(name)}, {[layout.rank(base, g, tp_index) for g in groups]})"
+        f"  # used by stages {pprog.param_stages[name]}: gradients summed across them"
+        for name, groups in tied.items()
+        if name in param_names
+    ]
+    stages, functions, uses_checkpoint = _stage_views(pprog, mine, fmt, full_shapes, layer_functions)
+    init_call, groups = _pipeline_init_call(pprog, layout, rank, tied, mesh)
     rules = pprog.inputs.shape_rules + [r for s in pprog.stages for r in s.program.shape_rules]
-    unpack, in_spec_json = _unpack_inputs(pprog.inputs, rules)
-    input_names = sorted({n for s in pprog.stages for n in s.graph_inputs})
-    input_names += sorted(pprog.inputs.size_names)
+    unpack, in_spec_json = unpack_inputs(pprog.inputs, rules)
     defaults = [f"{k}={v!r}" for k, v in pprog.inputs.untraced_args.items()]
-    signature = ", ".join(["self"] + pprog.inputs.forward_args + defaults)
     statements = [st for s in mine for st in pprog.stages[s].program.statements]
-    specs = {s.index: [_spec(m) for m in s.received_meta] for s in pprog.stages}
-    spec_sizes = sizes_read([m for codes in specs.values() for m in codes], pprog.inputs.size_names)
-    imports = custom_op_imports(statements)
-    rank_of = stage_ranks.__getitem__
-    args = (pipe.scheduler, pipe.nstages, pipe.pp_size, pipe.nmicros, group, rank_of)
+    args = (
+        pipe.scheduler,
+        pipe.nstages,
+        pipe.pp_size,
+        pipe.nmicros,
+        group,
+        functools.partial(layout.stage_rank, rank),
+    )
     view = ModuleView(
-        header,
-        imports,
+        _pipeline_header(pprog, layout, rank, groups, mine, (model_name, policy, version)),
+        custom_op_imports(statements),
         rank,
         init_call,
         shards,
         aliases,
-        signature,
+        ", ".join(["self"] + pprog.inputs.forward_args + defaults),
         [],
         "",
         None,
@@ -214,35 +203,42 @@ def build_pipeline_view(
         any(st.op.startswith("rng.") or st.shard_rng for st in statements),
         unpack,
         in_spec_json,
-        any(uses for _, uses in built),
-        class_attrs=class_attrs,
+        uses_checkpoint,
+        class_attrs=_pipeline_attrs(pprog, layout, rank),
         tied=tied_lines,
         stages=stages,
-        input_names=input_names,
         train_step=pipeline_train_lines(*args),
         infer_step=pipeline_infer_lines(*args),
         schedule_doc=(
             f"{pipe.scheduler} schedule: {pipe.nstages} stages x {pipe.nmicros} micro-batches. This rank runs "
             f"stage{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))}."
         ),
+        layer_functions=functions,
     )
+    _add_stage_inputs(view, pprog, statements, mesh)
+    return view
+
+
+def _add_stage_inputs(view: ModuleView, pprog: PipelineProgram, statements: list, mesh: tuple) -> None:
+    """What micro_batch_inputs returns and what stage_inputs says each stage receives."""
+    view.input_names = sorted({n for s in pprog.stages for n in s.graph_inputs})
+    view.input_names += sorted(pprog.inputs.size_names)
+    specs = {s.index: [_spec(m) for m in s.received_meta] for s in pprog.stages}
+    spec_sizes = sizes_read([m for codes in specs.values() for m in codes], pprog.inputs.size_names)
     view.stage_specs = specs
     view.mesh_groups = [f"tp_axis{k}" for k in range(len(mesh))]
     view.stage_spec_sizes = [f'{n} = mb["{n}"]' for n in spec_sizes]
     view.uses_math = uses_math([(st.args, st.kwargs) for st in statements]) or any(
         "math." in c for codes in specs.values() for c in codes
     )
-    return view
 
 
 def _stage_view(
-    pprog: PipelineProgram, index: int, fmt: Formatter, full_shapes: dict[str, tuple]
+    pprog: PipelineProgram, index: int, fmt: Formatter, body: StatementList, statements: list
 ) -> tuple[StageView, bool]:
     stage = pprog.stages[index]
     program = stage.program
-    sections, uses_checkpoint = build_sections(
-        program, fmt, lambda s: _trailing(s, program, full_shapes), CodeLine, Section
-    )
+    sections, uses_checkpoint = build_sections(program, fmt, body.trailing, statements)
     outs = [fmt(r) for r in program.outputs] if program.outputs else []
     return_code = "(" + ", ".join(outs) + ("," if len(outs) == 1 else "") + ")"
     params = "".join(f", {n}" for n in stage.received)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from nnscaler.parallel import sources
+from nnscaler.parallel.sources import digest, is_library
 
 __all__ = ["AttributeWarning", "attribute_values"]
 
@@ -112,8 +112,8 @@ def _leaf(value: Any) -> str | None:
     if isinstance(value, type) or isinstance(value, (types.FunctionType, types.MethodType)):
         fn = value.__func__ if isinstance(value, types.MethodType) else value
         kind = "class" if isinstance(value, type) else "function"
-        library = sources._is_library(fn)  # covered by the torch / Python version
-        return f"{kind} {_qualname(fn)}" + ("" if library else f" {sources.digest(fn)}")
+        library = is_library(fn)  # covered by the torch / Python version
+        return f"{kind} {_qualname(fn)}" + ("" if library else f" {digest(fn)}")
     if isinstance(value, types.BuiltinFunctionType):
         return f"builtin {_qualname(value)}"
     return None
@@ -124,7 +124,7 @@ def _object(value: Any) -> str | None:
     if isinstance(value, (list, tuple, set, frozenset, dict)) or not _stateless(value):
         return None
     cls = type(value)
-    return f"object {_qualname(cls)}" + ("" if sources._is_library(cls) else f" {sources.digest(cls)}")
+    return f"object {_qualname(cls)}" + ("" if is_library(cls) else f" {digest(cls)}")
 
 
 def _stateless(value: Any) -> bool:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,12 +18,13 @@ from nnscaler.config import ComputeConfig
 from nnscaler.graph.capture import capture
 from nnscaler.graph.ir import Graph, graph_from_json, graph_to_json
 from nnscaler.parallel.artifacts import torch_bytes
+from nnscaler.parallel.resolved_policy import ResolvedPolicy, resolve_pas_policy
 from nnscaler.parallel.savedir import CONSTANTS_FILE
 from nnscaler.parallel.unannotated import check_unannotated
 from nnscaler.parallel.unsplit import UnsplitWeight, unsplit_summary, unsplit_weights
-from nnscaler.partition import apply_pipeline, apply_plan
-from nnscaler.policies import make_plan, resolve_policy
-from nnscaler.policies.options import leaf_module_options, validate_pas_config
+from nnscaler.partition.apply_plan import apply_plan
+from nnscaler.partition.pipeline import apply_pipeline
+from nnscaler.policies import make_plan
 
 __all__ = ["CompileResult", "compile_module", "CONSTANTS_FILE"]
 
@@ -58,7 +60,7 @@ def plan_fingerprint(graph_json: bytes, plan_json: str, cfg: ComputeConfig) -> s
 def compile_module(
     module: torch.nn.Module,
     dummy_forward_args: dict,
-    policy,
+    policy: str | Callable | ResolvedPolicy,
     cfg: ComputeConfig,
     outdir: Path,
     version: str,
@@ -69,9 +71,10 @@ def compile_module(
 
     `graph`: a graph already traced (or loaded) for this module; `reuse_graph`: load graph.json from
     `outdir` when it exists (unchecked: `parallelize(reuse='graph')` checks it against the model).
-    Either way the module is not traced again.
+    Either way the module is not traced again. `policy` as parallelize resolved it; a name or callable
+    is resolved here, and cfg.pas_config validated for it before tracing (a misspelled key fails fast).
     """
-    validate_pas_config(policy, cfg.pas_config)  # before tracing: a misspelled key fails fast
+    policy = resolve_pas_policy(policy, cfg.pas_config)
     outdir.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -82,21 +85,19 @@ def compile_module(
     elif reuse_graph and graph_file.exists():
         graph = graph_from_json(graph_file.read_text())
     else:
-        leaves, auto_leaves = leaf_module_options(cfg.pas_config)  # submodules run eagerly as one op
         graph = capture(
             module,
             dummy_forward_args,
             static_shapes=cfg.constant_folding,
-            leaf_modules=leaves,
-            auto_leaf_modules=auto_leaves,
+            leaf_modules=list(policy.leaf_modules),  # submodules run eagerly as one op
+            auto_leaf_modules=policy.auto_leaf_modules,
         )
         write_atomic(graph_file, graph_to_json(graph))
         _save_constants(outdir, graph)
     check_unannotated(graph)
     seconds["capture"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    policy_name, _ = resolve_policy(policy)
-    plan = make_plan(graph, policy, cfg)
+    plan = make_plan(graph, policy.fn, cfg)
     write_atomic(outdir / "plan.json", plan.to_json())
     if plan.policy == "autodist":  # what it chose and why, beside the generated code
         from nnscaler.policies.autodist.report import plan_report_text
@@ -112,7 +113,7 @@ def compile_module(
     plan_id = plan_fingerprint(graph_file.read_bytes(), plan.to_json(), cfg)
     for rank in range(cfg.runtime_ngpus):
         src = generate_code(
-            program, rank, cfg, graph.module_class, policy_name, full_shapes, version, plan_id
+            program, rank, cfg, graph.module_class, policy.name, full_shapes, version, plan_id
         )
         write_atomic(outdir / f"gencode{rank}.py", src)
     write_atomic(outdir / "compute_config.json", json.dumps(cfg.to_dict(), indent=2, default=str))

@@ -29,8 +29,9 @@ import torch
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import ConfigError
 from nnscaler.graph.ir import Graph
-from nnscaler.parallel import sources
 from nnscaler.parallel.attributes import attribute_values
+from nnscaler.parallel.resolved_policy import ResolvedPolicy, resolve_pas_policy
+from nnscaler.parallel.sources import digest, helper_sources, module_sources, package_versions
 
 __all__ = ["fingerprint", "describe_differences", "check_graph", "GRAPH_KEYS", "FORMAT"]
 
@@ -72,22 +73,21 @@ def _describe(value: Any) -> Any:
     return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
 
-def _policy(policy: str | Callable) -> dict[str, Any]:
-    from nnscaler.policies import BUILTIN_POLICIES, resolve_policy
-
-    name, fn = resolve_policy(policy)
-    builtin = fn in BUILTIN_POLICIES.values()  # covered by the nnscaler version
-    return {"name": name, "source": None if builtin else sources.digest(fn)}
+def _policy(policy: ResolvedPolicy) -> dict[str, Any]:
+    """A built-in policy by name (its code is covered by the nnscaler version), a custom one with its source."""
+    return {"name": policy.name, "source": None if policy.builtin else digest(policy.fn)}
 
 
 def fingerprint(
     module: torch.nn.Module,
     dummy_forward_args: dict,
-    policy: str | Callable,
+    policy: str | Callable | ResolvedPolicy,
     cfg: ComputeConfig,
     version: str,
 ) -> dict[str, Any]:
-    """A JSON-able description; generated code is reused only when it is equal."""
+    """A JSON-able description; generated code is reused only when it is equal. `policy` as parallelize
+    resolved it (a name or callable is resolved here, and cfg.pas_config validated for it)."""
+    policy = resolve_pas_policy(policy, cfg.pas_config)
     klass = type(module)
     return {
         "format": FORMAT,
@@ -96,9 +96,9 @@ def fingerprint(
         "python": ".".join(map(str, sys.version_info[:3])),
         "module": f"{klass.__module__}.{klass.__qualname__}",
         "training": module.training,
-        "module_sources": sources.module_sources(module),
-        "helper_sources": sources.helper_sources(module),
-        "packages": sources.package_versions(module),
+        "module_sources": module_sources(module),
+        "helper_sources": helper_sources(module),
+        "packages": package_versions(module),
         "parameters": {
             name: [list(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad]
             for name, p in module.named_parameters(remove_duplicate=False)
@@ -146,6 +146,53 @@ def _flat(value: Any, path: str = "") -> dict[str, Any]:
     return out
 
 
+_PART_TEXTS: dict[str, tuple[str, str, str]] = {
+    "module_sources": (
+        "source of {} changed",
+        "module class {} is new in the model",
+        "module class {} is no longer in the model",
+    ),
+    "helper_sources": (
+        "source (or value) of {} changed",
+        "the model now uses {}",
+        "the model no longer uses {}",
+    ),
+    "packages": ("package {} version {} -> {}", "package {} is new", "package {} is gone"),
+    "parameters": ("parameter {}: [shape, dtype...] {} -> {}", "new parameter {}", "parameter {} is gone"),
+    "buffers": ("buffer {}: [shape, dtype...] {} -> {}", "new buffer {}", "buffer {} is gone"),
+    "attributes": (
+        "model attribute `{}` changed: {} -> {}",
+        "model attribute `{}` is new",
+        "model attribute `{}` is gone",
+    ),
+    "dummy_forward_args": ("dummy input {}: {} -> {}", "new dummy input {}", "dummy input {} is gone"),
+    "compute_config": ("ComputeConfig.{}: {} -> {}", "ComputeConfig.{} is new", "ComputeConfig.{} is gone"),
+}
+"""Fingerprint parts compared item by item: how a changed, a new and a gone item reads."""
+
+
+def _part_differences(key: str, a: Any, b: Any) -> list[str]:
+    """One line per item of part `key` (a dict, or nested inputs / config fields) that differs."""
+    if key == "dummy_forward_args":
+        a, b = _flat(a), _flat(b)
+    elif key == "compute_config":
+        a, b = _flat(a or {}), _flat(b or {})
+    else:
+        a, b = a or {}, b or {}
+    return _dict_diff(a, b, *_PART_TEXTS[key], quote=key != "attributes")
+
+
+def _whole_difference(key: str, a: Any, b: Any) -> str:
+    """The line for a part compared as a whole."""
+    if key == "python":
+        return f"Python {a} -> {b} (model code is compared as compiled by Python)"
+    if key == "policy" and (a or {}).get("name") == (b or {}).get("name"):
+        return f"source of policy {b['name']} changed"
+    if key == "training":
+        return f"the model was in {'train' if a else 'eval'} mode, now in {'train' if b else 'eval'} mode"
+    return f"{key}: {_short(a)} -> {_short(b)}"
+
+
 def describe_differences(
     old: dict[str, Any], new: dict[str, Any], keys: tuple[str, ...] | None = None
 ) -> list[str]:
@@ -153,80 +200,18 @@ def describe_differences(
     "source of mypkg.attn.Attention changed"); `keys` limits the comparison to those parts."""
     if old.get("format") != new.get("format"):
         return [f"the saved fingerprint has format {old.get('format')!r}, this nnscaler writes {FORMAT}"]
-    keys = keys or tuple(new)
-    lines: list[str] = []
     other_python = old.get("python") != new.get("python")
-    for key in keys:
+    lines: list[str] = []
+    for key in keys or tuple(new):
         a, b = old.get(key), new.get(key)
         if a == b:
             continue
         if other_python and key in ("module_sources", "helper_sources"):
             continue  # code is compared as compiled: another Python compiles it differently
-        if key == "python":
-            lines.append(f"Python {a} -> {b} (model code is compared as compiled by Python)")
-            continue
-        if key == "module_sources":
-            lines += _dict_diff(
-                a or {},
-                b or {},
-                "source of {} changed",
-                "module class {} is new in the model",
-                "module class {} is no longer in the model",
-            )
-        elif key == "helper_sources":
-            lines += _dict_diff(
-                a or {},
-                b or {},
-                "source (or value) of {} changed",
-                "the model now uses {}",
-                "the model no longer uses {}",
-            )
-        elif key == "packages":
-            lines += _dict_diff(
-                a or {}, b or {}, "package {} version {} -> {}", "package {} is new", "package {} is gone"
-            )
-        elif key in ("parameters", "buffers"):
-            what = key[:-1]
-            lines += _dict_diff(
-                a or {},
-                b or {},
-                what + " {}: [shape, dtype...] {} -> {}",
-                "new " + what + " {}",
-                what + " {} is gone",
-            )
-        elif key == "attributes":
-            lines += _dict_diff(
-                a or {},
-                b or {},
-                "model attribute `{}` changed: {} -> {}",
-                "model attribute `{}` is new",
-                "model attribute `{}` is gone",
-                quote=False,
-            )
-        elif key == "dummy_forward_args":
-            lines += _dict_diff(
-                _flat(a),
-                _flat(b),
-                "dummy input {}: {} -> {}",
-                "new dummy input {}",
-                "dummy input {} is gone",
-            )
-        elif key == "compute_config":
-            lines += _dict_diff(
-                _flat(a or {}),
-                _flat(b or {}),
-                "ComputeConfig.{}: {} -> {}",
-                "ComputeConfig.{} is new",
-                "ComputeConfig.{} is gone",
-            )
-        elif key == "policy" and (a or {}).get("name") == (b or {}).get("name"):
-            lines.append(f"source of policy {b['name']} changed")
-        elif key == "training":
-            lines.append(
-                f"the model was in {'train' if a else 'eval'} mode, now in {'train' if b else 'eval'} mode"
-            )
+        if key in _PART_TEXTS:
+            lines += _part_differences(key, a, b)
         else:
-            lines.append(f"{key}: {_short(a)} -> {_short(b)}")
+            lines.append(_whole_difference(key, a, b))
     return lines
 
 

@@ -21,6 +21,7 @@ from nnscaler.parallel.artifacts import read_saved, torch_bytes, verified_code
 from nnscaler.parallel.compile import compile_module
 from nnscaler.parallel.dirlock import compile_lock
 from nnscaler.parallel.fingerprint import fingerprint
+from nnscaler.parallel.resolved_policy import ResolvedPolicy, resolve_pas_policy
 from nnscaler.parallel.reuse import decide, finish_generation, start_generation
 from nnscaler.parallel.savedir import (
     WEIGHTS_FILE,
@@ -30,7 +31,6 @@ from nnscaler.parallel.savedir import (
     module_outdir,
 )
 from nnscaler.parallel.verify import should_verify, verify_capture
-from nnscaler.policies.options import validate_pas_config
 from nnscaler.runtime.device import bind_cuda_device
 from nnscaler.runtime.dist.store_sync import next_key, publish_outcome, wait_outcome
 from nnscaler.runtime.dist.timeouts import compile_timeout
@@ -208,11 +208,81 @@ def parallelize(
     every tensor across the ranks and raises naming the first that differs; 'none' trusts each rank's.
 
     verify: after capture, run the captured program's single-device code and the module on the dummy
-    inputs (forward and backward; also forward in the other mode where the program follows
-    train()/eval()) and raise CompileError naming the first module and source line where they differ. None (default): when the
-    weights and dummy inputs are real and the model has under 200M parameters; True: always (ConfigError
+    inputs (forward and backward; also forward in the other mode where the program follows train()/eval())
+    and raise CompileError naming the first module and source line where they differ. None (default): when
+    the weights and dummy inputs are real and the model has under 200M parameters; True: always (ConfigError
     on meta weights); False: never. The module's buffers, `.grad` and the RNG stream are left as they were.
     """
+    reuse, broadcast_strategy, init_params_sync = _checked_arguments(
+        compute_config, reuse, broadcast_strategy, init_params_sync, verify
+    )
+    policy = resolve_pas_policy(pas_policy, compute_config.pas_config)  # every rank, before any tracing
+    bind_cuda_device()  # object collectives below run on the current CUDA device under NCCL
+    is_class = isinstance(module_or_module_class, type)
+    if load_module and init_module_params and not is_class:
+        refuse_meta_weights(module_or_module_class, init_params_sync)  # before compiling: fail fast
+    module_class = module_or_module_class if is_class else type(module_or_module_class)
+    outdir = module_outdir(gen_savedir, module_class, instance_name)
+    error, record = None, None
+    if _rank() == 0:
+        try:
+            record = _generate(
+                module_or_module_class,
+                dummy_forward_args,
+                policy,
+                compute_config,
+                outdir,
+                reuse,
+                module_fn,
+                module_dtype,
+                save_weights=is_class and init_module_params,
+                require_weights=is_class and init_module_params and load_module,
+                verify=verify,
+            )
+        except Exception as exc:  # the other ranks hear of it instead of waiting forever
+            error = exc
+    _share_outcome(error)
+    _broadcast_files(outdir, broadcast_strategy)
+    if not load_module:
+        return None
+    gen_class = load_generated_class(outdir, _rank(), _shared_record(record))
+    if gen_class.compute_config is None:
+        gen_class.compute_config = compute_config
+    if is_class:
+        return _generated_class(gen_class, outdir, module_or_module_class, module_fn, init_module_params)
+    return _generated_instance(
+        gen_class, module_or_module_class, compute_config, init_module_params, init_params_sync, module_dtype
+    )
+
+
+def _generated_instance(
+    gen_class: type,
+    module: torch.nn.Module,
+    compute_config: ComputeConfig,
+    init_module_params: bool,
+    init_params_sync: str,
+    module_dtype: torch.dtype | None,
+) -> torch.nn.Module:
+    """This rank's ParallelModule for a module input, in the module's train/eval mode, with its shards
+    of the module's weights when init_module_params."""
+    pm = gen_class(init_params=False)
+    attach_leaf_modules(pm, module)  # opaque leaf modules run eagerly on pm's tensors
+    pm.compute_config = compute_config
+    pm.train(module.training)  # the generated code follows train()/eval() from here
+    if init_module_params:  # every rank cuts its shards from rank 0's weights ('broadcast') or checks
+        load_initial_weights(pm, module, init_params_sync, dtype=module_dtype)
+    return pm
+
+
+def _checked_arguments(
+    compute_config: ComputeConfig,
+    reuse: ReuseType | str,
+    broadcast_strategy: BroadcastGenFilesStrategy | str,
+    init_params_sync: str,
+    verify: bool | None,
+) -> tuple[ReuseType, BroadcastGenFilesStrategy, str]:
+    """parallelize's arguments checked on every rank before anything else (ConfigError naming the
+    argument): (reuse, broadcast_strategy, init_params_sync) as enums / the checked value."""
     if not isinstance(compute_config, ComputeConfig):
         raise ConfigError(f"compute_config must be a ComputeConfig, got {type(compute_config).__name__}")
     try:
@@ -235,59 +305,27 @@ def parallelize(
             f"ComputeConfig.runtime_ngpus is {compute_config.runtime_ngpus} but the process group has "
             f"{dist.get_world_size()} ranks"
         )
-    validate_pas_config(pas_policy, compute_config.pas_config)  # every rank, before any tracing
-    bind_cuda_device()  # object collectives below run on the current CUDA device under NCCL
-    if load_module and init_module_params and not isinstance(module_or_module_class, type):
-        refuse_meta_weights(module_or_module_class, init_params_sync)  # before compiling: fail fast
-    is_class = isinstance(module_or_module_class, type)
-    module_class = module_or_module_class if is_class else type(module_or_module_class)
-    outdir = module_outdir(gen_savedir, module_class, instance_name)
-    error, record = None, None
-    if _rank() == 0:
-        try:
-            record = _generate(
-                module_or_module_class,
-                dummy_forward_args,
-                pas_policy,
-                compute_config,
-                outdir,
-                reuse,
-                module_fn,
-                module_dtype,
-                save_weights=is_class and init_module_params,
-                require_weights=is_class and init_module_params and load_module,
-                verify=verify,
-            )
-        except Exception as exc:  # the other ranks hear of it instead of waiting forever
-            error = exc
-    _share_outcome(error)
-    _broadcast_files(outdir, broadcast_strategy)
-    if not load_module:
-        return None
-    gen_class = load_generated_class(outdir, _rank(), _shared_record(record))
-    if gen_class.compute_config is None:
-        gen_class.compute_config = compute_config
-    if is_class:
-        has_weights = init_module_params and (outdir / WEIGHTS_FILE).exists()
-        gen_class.init_weights_file = WEIGHTS_FILE if has_weights else None
-        if getattr(gen_class, "leaf_modules", ()):  # opaque leaves run the model's own code: its structure
-            with torch.device("meta"):
-                structure = module_fn() if module_fn is not None else module_or_module_class()
-            attach_leaf_modules(gen_class, structure)
-        return gen_class
-    pm = gen_class(init_params=False)
-    attach_leaf_modules(pm, module_or_module_class)  # opaque leaf modules run eagerly on pm's tensors
-    pm.compute_config = compute_config
-    pm.train(module_or_module_class.training)  # the generated code follows train()/eval() from here
-    if init_module_params:  # every rank cuts its shards from rank 0's weights ('broadcast') or checks
-        load_initial_weights(pm, module_or_module_class, init_params_sync, dtype=module_dtype)
-    return pm
+    return reuse, broadcast_strategy, init_params_sync
+
+
+def _generated_class(
+    gen_class: type, outdir: Path, module_class: type, module_fn: Callable | None, init_module_params: bool
+) -> type:
+    """The generated class for a class input: its weights file (when rank 0 saved one) and its opaque
+    leaf modules (they run the model's own code: their structure is built on the meta device)."""
+    has_weights = init_module_params and (outdir / WEIGHTS_FILE).exists()
+    gen_class.init_weights_file = WEIGHTS_FILE if has_weights else None
+    if getattr(gen_class, "leaf_modules", ()):
+        with torch.device("meta"):
+            structure = module_fn() if module_fn is not None else module_class()
+        attach_leaf_modules(gen_class, structure)
+    return gen_class
 
 
 def _generate(
     module_or_class,
     dummy_forward_args: dict,
-    pas_policy,
+    policy: ResolvedPolicy,
     cfg: ComputeConfig,
     outdir: Path,
     reuse: ReuseType,
@@ -314,7 +352,7 @@ def _generate(
     if module_dtype is not None:
         module = module.to(module_dtype)
     check = should_verify(verify, module, dummy_forward_args)  # verify=True on meta weights: fail fast
-    fp = fingerprint(module, dummy_forward_args, pas_policy, cfg, __version__)
+    fp = fingerprint(module, dummy_forward_args, policy, cfg, __version__)
     with compile_lock(outdir):  # another job compiling into the same directory waits here
         generate, graph = decide(outdir, fp, reuse, cfg)
         if generate:
@@ -322,7 +360,7 @@ def _generate(
             result = compile_module(
                 module,
                 dummy_forward_args,
-                pas_policy,
+                policy,
                 cfg,
                 outdir,
                 __version__,

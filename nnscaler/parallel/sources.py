@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["module_classes", "module_sources", "helper_sources", "package_versions", "digest"]
+__all__ = ["module_classes", "module_sources", "helper_sources", "package_versions", "digest", "is_library"]
 
 _LIBRARY_ROOTS = frozenset({"torch", "__future__"} | set(sys.stdlib_module_names))
 """Packages whose code is covered by the torch / Python version rather than hashed."""
@@ -51,7 +51,8 @@ def _root(module_name: str | None) -> str:
     return (module_name or "").split(".")[0]
 
 
-def _is_library(obj: Any) -> bool:
+def is_library(obj: Any) -> bool:
+    """Code of torch, the standard library or `object`: covered by the torch / Python version, not hashed."""
     return _root(getattr(obj, "__module__", None)) in _LIBRARY_ROOTS or obj is object
 
 
@@ -140,7 +141,7 @@ def module_classes(module: torch.nn.Module) -> list[type]:
     seen: dict[type, None] = {}
     for sub in module.modules():
         for cls in type(sub).__mro__:
-            if not _is_library(cls):
+            if not is_library(cls):
                 seen.setdefault(cls, None)
     return list(seen)
 
@@ -191,7 +192,7 @@ class _Walker:
 
     def function(self, fn: Any) -> None:
         code = getattr(fn, "__code__", None)
-        if code is None or id(code) in self.seen or len(self.seen) > _MAX_HELPERS or _is_library(fn):
+        if code is None or id(code) in self.seen or len(self.seen) > _MAX_HELPERS or is_library(fn):
             return
         self.seen.add(id(code))
         package = _root(getattr(fn, "__module__", None))

@@ -27,7 +27,7 @@ import nnscaler.runtime.module as runtime_module
 from nnscaler.codegen import generate_code
 from nnscaler.config import ComputeConfig
 from nnscaler.graph.ir import Graph
-from nnscaler.partition import apply_plan
+from nnscaler.partition.apply_plan import apply_plan
 from nnscaler.policies import make_plan
 from nnscaler.runtime.leaf import attach_leaf_modules
 from nnscaler.version import __version__
@@ -42,7 +42,10 @@ def single_device_source(graph: Graph) -> str:
     cfg = ComputeConfig(1, 1, constant_folding=graph.static_shapes)
     program = apply_plan(graph, make_plan(graph, "dp", cfg))
     full_shapes = {k: v.meta.shape for k, v in graph.values.items() if v.meta is not None}
-    return generate_code(program, 0, cfg, graph.module_class, "dp", full_shapes, __version__)
+    # every layer inline: the recorded locals of forward must hold every value of the graph
+    return generate_code(
+        program, 0, cfg, graph.module_class, "dp", full_shapes, __version__, layer_functions=False
+    )
 
 
 class _KeepValues(ast.NodeTransformer):

@@ -17,27 +17,22 @@ from nnscaler.graph.ir import (
     ShapeRule,
     Shard,
     TensorMeta,
+    iter_refs,
     map_refs,
     mesh_layout,
     placements_of,
     split_factors,
     storage_shard,
-    sym_floordiv,
 )
-from nnscaler.graph.ops import annotate_node, get_rule, is_bias_split, layouts_for, mesh_layouts_for
+from nnscaler.graph.ops import annotate_node, get_rule, is_bias_split, layouts_for, mesh_layouts_for, op_call
 from nnscaler.partition.convert import GROUP, AxisGroup, conversion_steps
-from nnscaler.partition.program import LocalTensor, Program, RankScaled, Statement
-from nnscaler.policies import Plan
+from nnscaler.partition.local_ops import group_of, localise_dim, vocab_parallel_statement
+from nnscaler.partition.program import LocalTensor, Program, Statement
+from nnscaler.policies.plan import Plan
 
 __all__ = ["apply_plan", "local_shape"]
 
-_SHAPE_ARG_OPS = {
-    "aten.view.default",
-    "aten.reshape.default",
-    "aten._unsafe_view.default",
-    "aten.expand.default",
-}
-_CE_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+_MEAN_SHARE_NOTE = "mean over a split dim: each device's share of the mean (partial sums)"
 
 
 def local_shape(
@@ -259,7 +254,7 @@ class _Partitioner:
         for node in self.graph.nodes:
             self._node(node)
         out_refs = {}
-        for ref in (r for r in _iter(self.graph.outputs)):
+        for ref in (r for r in iter_refs(self.graph.outputs)):
             out_refs[ref.name] = self._convert(ref.name, Replicate(), None)
         self.program.outputs = map_refs(self.graph.outputs, lambda r: Ref(out_refs[r.name]))
         self.program.layouts = dict(self.layouts)
@@ -272,31 +267,10 @@ class _Partitioner:
         rule = get_rule(node.op)
         split = np.is_split and bound is not None
         refs = _tensor_refs(node, self.graph)
-        if split:
-            lay = _node_layouts(bound, rule, np, self.mesh)
-            if isinstance(lay, str):
-                raise PartitionError(
-                    f"node {node.name} ({node.op}) cannot be split as {np.describe()}: {lay}"
-                )
-            reqs, outs = [r or Replicate() for r in lay.inputs], [o or Replicate() for o in lay.outputs]
-        else:
-            reqs, outs = [Replicate()] * len(refs), [Replicate()] * len(node.outputs)
+        reqs, outs = self._io_layouts(node, np, bound, rule, len(refs)) if split else self._whole(node, refs)
         split_axes = self._split_axes(np) if split else ()
         bias_axes = frozenset(k for k, (ident, ways) in split_axes if is_bias_split(bound, rule, ident, ways))
-        bias_split = bool(bias_axes)
-        local = []  # per tensor argument: a value read twice (x @ x) may be needed in two layouts
-        for i, (ref, req) in enumerate(zip(refs, reqs)):
-            # the bias of a row-parallel op is added after the reduction, by every rank alike: no f
-            skip = bias_axes if bias_split and i == rule.bias_input else frozenset()
-            sync = self._sync_groups(np, req, skip) if split else ()
-            local.append(self._convert(ref.name, req, node, sync))
-        tensors = iter(local)
-
-        def localise(r: Ref) -> Ref:
-            return Ref(next(tensors)) if self.graph.values[r.name].meta is not None else r
-
-        args = map_refs(node.args, localise)
-        kwargs = map_refs(node.kwargs, localise)
+        args, kwargs = self._local_inputs(node, np, rule, refs, reqs, bias_axes, split)
         for out, layout in zip(node.outputs, outs):
             self.layouts[out] = layout
             self._meta(out, layout)
@@ -308,9 +282,13 @@ class _Partitioner:
             note=np.note,
             no_grad=node.no_grad,
         )
-        multi = dict(tuple_output=node.tuple_output)
         if not split:
-            self._emit(Statement("op", node.op, tuple(args), kwargs, list(node.outputs), **common, **multi))
+            outputs = list(node.outputs)
+            self._emit(
+                Statement(
+                    "op", node.op, tuple(args), kwargs, outputs, **common, tuple_output=node.tuple_output
+                )
+            )
             return
         specials = {
             k: rule.specials[ident] for k, (ident, _) in split_axes if rule and ident in rule.specials
@@ -318,55 +296,94 @@ class _Partitioner:
         if node.op == "aten.dropout.default":
             # a sharded activation: each shard needs its own mask (see nnscaler.runtime.rng)
             p, train = args[1], args[2]
+            call_args = (args[0], p, train, self._shard_group(node, split_axes))
             self._emit(
-                Statement(
-                    "special",
-                    "rng.sharded_dropout",
-                    (args[0], p, train, self._shard_group(node, split_axes)),
-                    {},
-                    list(node.outputs),
-                    **common,
-                )
+                Statement("special", "rng.sharded_dropout", call_args, {}, list(node.outputs), **common)
             )
         elif specials:
-            # other axes may split the batch: a mean over it is then each device's share (as below)
-            mean = rule.mean_scale(_call(node, self.graph)) if callable(rule.mean_scale) else rule.mean_scale
-            others = [(k, s) for k, s in split_axes if k not in specials]
-            reduced = math.prod(ways for _, (ident, ways) in others if bound.anno.flag_of(ident) == "+")
-            if mean and reduced > 1:
-                tmp = self._fresh(f"{node.outputs[0]}_local")
-                self._special(node, specials, split_axes, bound, args, kwargs, common, [tmp])
-                self.program.local_meta[tmp] = self.program.local_meta[node.outputs[0]]
-                common["note"] = "mean over a split dim: each device's share of the mean (partial sums)"
-                self._emit(Statement("scale", "div", (Ref(tmp), reduced), {}, list(node.outputs), **common))
-            else:
-                self._special(node, specials, split_axes, bound, args, kwargs, common, list(node.outputs))
-        elif bias_split:
+            self._vocab_parallel(node, rule, bound, specials, split_axes, args, kwargs, common)
+        elif bias_axes:
             self._bias_split(node, rule.bias_input, bias_axes, outs[0], args, kwargs, common)
         else:
-            args = self._localise_args(node, args)
-            if rule is not None and rule.local_args is not None:
-                args, kwargs = rule.local_args(tuple(args), dict(kwargs), dict(s for _, s in split_axes))
-            if node.op == "aten.scaled_dot_product_attention.default":
-                dropout_p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
-                if dropout_p and self._shard_group(node, split_axes) is not GROUP:
-                    raise PartitionError(
-                        f"node {node.name} ({node.op}, {node.source}): attention with dropout split on some mesh "
-                        "axes only; split it on every axis or on one (split/ways)"
-                    )
-                multi["shard_rng"] = bool(dropout_p)  # each shard of heads needs its own masks
-            mean = rule.mean_scale(_call(node, self.graph)) if callable(rule.mean_scale) else rule.mean_scale
-            reduced = math.prod(ways for _, (ident, ways) in split_axes if bound.anno.flag_of(ident) == "+")
-            if mean and reduced > 1:
-                tmp = self._fresh(f"{node.outputs[0]}_local")
-                self._emit(Statement("op", node.op, tuple(args), kwargs, [tmp], **common))
-                self.program.local_meta[tmp] = self.program.local_meta[node.outputs[0]]
-                common["note"] = "mean over a split dim: each device's share of the mean (partial sums)"
-                self._emit(Statement("scale", "div", (Ref(tmp), reduced), {}, list(node.outputs), **common))
-            else:
-                self._emit(
-                    Statement("op", node.op, tuple(args), kwargs, list(node.outputs), **common, **multi)
+            self._split_op(node, rule, bound, split_axes, args, kwargs, common)
+
+    def _whole(self, node: Node, refs: list[Ref]) -> tuple[list[Layout], list[Layout]]:
+        """An op that runs whole: every input read replicated, every output replicated."""
+        return [Replicate()] * len(refs), [Replicate()] * len(node.outputs)
+
+    def _io_layouts(self, node: Node, np, bound, rule, nrefs: int) -> tuple[list[Layout], list[Layout]]:
+        """The layouts a split node reads its tensor inputs in, and those of its outputs."""
+        lay = _node_layouts(bound, rule, np, self.mesh)
+        if isinstance(lay, str):
+            raise PartitionError(f"node {node.name} ({node.op}) cannot be split as {np.describe()}: {lay}")
+        return [r or Replicate() for r in lay.inputs], [o or Replicate() for o in lay.outputs]
+
+    def _local_inputs(self, node: Node, np, rule, refs, reqs, bias_axes, split: bool) -> tuple[Any, Any]:
+        """The node's args and kwargs with every tensor read in the layout it needs (a converted copy
+        where it is held in another)."""
+        local = []  # per tensor argument: a value read twice (x @ x) may be needed in two layouts
+        for i, (ref, req) in enumerate(zip(refs, reqs)):
+            # the bias of a row-parallel op is added after the reduction, by every rank alike: no f
+            skip = bias_axes if bias_axes and i == rule.bias_input else frozenset()
+            sync = self._sync_groups(np, req, skip) if split else ()
+            local.append(self._convert(ref.name, req, node, sync))
+        tensors = iter(local)
+
+        def localise(r: Ref) -> Ref:
+            return Ref(next(tensors)) if self.graph.values[r.name].meta is not None else r
+
+        return map_refs(node.args, localise), map_refs(node.kwargs, localise)
+
+    def _mean_share(self, node: Node, rule, reduced: int) -> str | None:
+        """A temporary to write the op into when it takes a mean over dims split `reduced` ways: each
+        device computes its share of the mean (partial sums) by dividing it (`_divide_share`); else None."""
+        mean = rule.mean_scale(op_call(node, self.graph)) if callable(rule.mean_scale) else rule.mean_scale
+        if not (mean and reduced > 1):
+            return None
+        tmp = self._fresh(f"{node.outputs[0]}_local")
+        self.program.local_meta[tmp] = self.program.local_meta[node.outputs[0]]
+        return tmp
+
+    def _divide_share(self, node: Node, tmp: str, reduced: int, common: dict) -> None:
+        common = {**common, "note": _MEAN_SHARE_NOTE}
+        self._emit(Statement("scale", "div", (Ref(tmp), reduced), {}, list(node.outputs), **common))
+
+    def _vocab_parallel(self, node: Node, rule, bound, specials, split_axes, args, kwargs, common) -> None:
+        """Local code for a split vocabulary; other axes may split the batch: a mean over it is then
+        each device's share (as in `_split_op`)."""
+        others = [(k, s) for k, s in split_axes if k not in specials]
+        reduced = math.prod(ways for _, (ident, ways) in others if bound.anno.flag_of(ident) == "+")
+        tmp = self._mean_share(node, rule, reduced)
+        outputs = [tmp] if tmp else list(node.outputs)
+        self._emit(
+            vocab_parallel_statement(
+                node, specials, split_axes, bound, args, kwargs, common, outputs, self.mesh
+            )
+        )
+        if tmp:
+            self._divide_share(node, tmp, reduced, common)
+
+    def _split_op(self, node: Node, rule, bound, split_axes, args, kwargs, common) -> None:
+        """A split op whose local code is the op on the local shards, its shape arguments made local."""
+        multi: dict[str, Any] = dict(tuple_output=node.tuple_output)
+        args = self._localise_args(node, args)
+        if rule is not None and rule.local_args is not None:
+            args, kwargs = rule.local_args(tuple(args), dict(kwargs), dict(s for _, s in split_axes))
+        if node.op == "aten.scaled_dot_product_attention.default":
+            dropout_p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+            if dropout_p and self._shard_group(node, split_axes) is not GROUP:
+                raise PartitionError(
+                    f"node {node.name} ({node.op}, {node.source}): attention with dropout split on some mesh "
+                    "axes only; split it on every axis or on one (split/ways)"
                 )
+            multi["shard_rng"] = bool(dropout_p)  # each shard of heads needs its own masks
+        reduced = math.prod(ways for _, (ident, ways) in split_axes if bound.anno.flag_of(ident) == "+")
+        tmp = self._mean_share(node, rule, reduced)
+        if tmp is None:
+            self._emit(Statement("op", node.op, tuple(args), kwargs, list(node.outputs), **common, **multi))
+            return
+        self._emit(Statement("op", node.op, tuple(args), kwargs, [tmp], **common))
+        self._divide_share(node, tmp, reduced, common)
 
     def _split_axes(self, np) -> tuple[tuple[int, tuple[str, int]], ...]:
         """(axis, (identifier, devices)) of each split: one entry spanning all devices for a 1-D split
@@ -375,18 +392,9 @@ class _Partitioner:
             return ((-1, (np.split, np.ways)),)
         return tuple((k, (ident, self.mesh[k])) for k, (ident, _) in enumerate(np.mesh_splits) if ident)
 
-    def _group_of(self, axes) -> object:
-        """The group spanning the given split axes (-1 or all of them: the whole group)."""
-        axes = sorted(axes)
-        if axes == [-1] or len(axes) == len(self.mesh):
-            return GROUP
-        if len(axes) == 1:
-            return AxisGroup(axes[0])
-        raise PartitionError(f"no group spans mesh axes {axes} of mesh {self.mesh}")
-
     def _shard_group(self, node: Node, split_axes) -> object:
         """The group whose rank tells this device's shard apart (random ops draw a stream per shard)."""
-        return self._group_of([k for k, _ in split_axes])
+        return group_of([k for k, _ in split_axes], self.mesh)
 
     def _localise_args(self, node: Node, args: tuple) -> tuple:
         """Divide the shape arguments of split dims by the split (sizes may be run-time expressions)."""
@@ -394,87 +402,11 @@ class _Partitioner:
             return args
         factors = split_factors(self.layouts[node.outputs[0]], self.mesh)
         for d, ways in sorted(factors.items()):
-            args = self._localise_dim(node, args, d, ways)
+            args = localise_dim(self.graph, node, args, d, ways)
         return args
-
-    def _localise_dim(self, node: Node, args: tuple, d: int, ways: int) -> tuple:
-        if node.op in _SHAPE_ARG_OPS:
-            sizes = list(args[1])
-            sizes[d] = _local_size(sizes[d], ways)
-            return (args[0], sizes, *args[2:])
-        if node.op == "aten.unflatten.int":
-            dim, sizes = args[1], list(args[2])
-            dim %= len(self.graph.values[node.input_names()[0]].meta.shape)
-            if dim <= d < dim + len(sizes):
-                sizes[d - dim] = _local_size(sizes[d - dim], ways)
-            return (args[0], dim, sizes, *args[3:])
-        if node.op in ("aten.split.Tensor", "aten.split_with_sizes.default"):
-            dim = (args[2] if len(args) > 2 else 0) % len(self.graph.values[node.outputs[0]].meta.shape)
-            if dim == d:  # equal pieces, each split alike: every size is this rank's share
-                size = args[1]
-                local = (
-                    [_local_size(s, ways) for s in size]
-                    if isinstance(size, (list, tuple))
-                    else _local_size(size, ways)
-                )
-                return (args[0], local, *args[2:])
-        return args
-
-    def _special(self, node: Node, specials: dict, split_axes, bound, args, kwargs, common, outputs) -> None:
-        """Vocab-parallel embedding / cross entropy over the axis that splits the vocabulary (the whole
-        group for a 1-D split); other mesh axes split other dims (the batch), which the local code keeps."""
-        emits = {sp.emit: k for k, sp in specials.items()}
-        if set(emits) == {"batch_parallel_cross_entropy", "vocab_parallel_cross_entropy"}:
-            vocab_axis, batch_axis = (
-                emits["vocab_parallel_cross_entropy"],
-                emits["batch_parallel_cross_entropy"],
-            )
-            ways = dict(split_axes)[vocab_axis][1]
-            refs = [a for a in _iter((args, kwargs))]
-            ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
-            reduction = _CE_REDUCTIONS[args[3] if len(args) > 3 else kwargs.get("reduction", 1)]
-            call_args = (
-                refs[0],
-                refs[1],
-                RankScaled(bound.sizes["c"] // ways, vocab_axis),
-                AxisGroup(vocab_axis),
-                AxisGroup(batch_axis),
-            )
-            extra = {"ignore_index": ignore, "reduction": reduction}
-            self._emit(
-                Statement(
-                    "special", "batch_vocab_parallel_cross_entropy", call_args, extra, outputs, **common
-                )
-            )
-            return
-        if len(specials) != 1:
-            raise PartitionError(
-                f"node {node.name} ({node.op}, {node.source}) has local code for one split at a time; "
-                "split its vocabulary on one mesh axis"
-            )
-        ((axis, special),) = specials.items()
-        ways = dict(split_axes)[axis][1]
-        emit = special.emit
-        group = self._group_of([axis])
-        rank_axis = None if group is GROUP else axis
-        refs = [a for a in _iter((args, kwargs))]
-        if emit == "vocab_parallel_embedding":
-            vocab = bound.sizes["v"]
-            padding = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
-            extra = {"padding_idx": padding} if padding is not None and padding >= 0 else {}
-            call_args = (refs[1], refs[0], RankScaled(vocab // ways, rank_axis))
-        else:
-            ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
-            reduction = _CE_REDUCTIONS[args[3] if len(args) > 3 else kwargs.get("reduction", 1)]
-            extra = {"ignore_index": ignore, "reduction": reduction}
-            if emit == "vocab_parallel_cross_entropy":
-                call_args = (refs[0], refs[1], RankScaled(bound.sizes["c"] // ways, rank_axis), group)
-            else:
-                call_args = (refs[0], refs[1], group)
-        self._emit(Statement("special", emit, call_args, extra, outputs, **common))
 
     def _bias_split(self, node: Node, bias_input: int, bias_axes, out_layout, args, kwargs, common) -> None:
-        refs = list(_iter((args, kwargs)))
+        refs = list(iter_refs((args, kwargs)))
         bias = refs[bias_input]
         out = node.outputs[0]
         partial = self._fresh(f"{out}_partial")
@@ -489,32 +421,15 @@ class _Partitioner:
         self.layouts[partial] = mesh_layout(placements)
         self.graph_meta_alias(partial, out, out_layout)
         reduced = self._fresh(f"{out}_reduced")
-        group = self._group_of(bias_axes)
+        group = group_of(bias_axes, self.mesh)
         self._emit(Statement("comm", "reduce_from_group", (Ref(partial), group), {}, [reduced], **common))
         self.graph_meta_alias(reduced, out, out_layout)
         common = {**common, "note": "bias added once, after the reduction"}
         self._emit(Statement("bias", "add", (Ref(reduced), bias), {}, [out], **common))
 
 
-def _local_size(size, ways: int):
-    """This rank's share of a size argument; -1 (inferred) stays -1."""
-    return size if isinstance(size, int) and size == -1 else sym_floordiv(size, ways)
-
-
-def _iter(obj):
-    from nnscaler.graph.ir import iter_refs
-
-    return iter_refs(obj)
-
-
 def _tensor_refs(node: Node, graph: Graph) -> list[Ref]:
-    return [r for r in _iter((node.args, node.kwargs)) if graph.values[r.name].meta is not None]
-
-
-def _call(node: Node, graph: Graph):
-    from nnscaler.graph.ops import op_call
-
-    return op_call(node, graph)
+    return [r for r in iter_refs((node.args, node.kwargs)) if graph.values[r.name].meta is not None]
 
 
 def _check_forced(graph: Graph, forced: dict[str, Layout], ways: int) -> dict[str, Layout]:

@@ -9,7 +9,7 @@ from nnscaler.graph.ir import Graph, TensorMeta, cut_graph
 from nnscaler.partition.apply_plan import apply_plan
 from nnscaler.partition.program import Program
 from nnscaler.partition.tied import shared_layouts
-from nnscaler.policies import PipelinePlan, Plan
+from nnscaler.policies.plan import PipelinePlan, Plan
 
 __all__ = ["StageProgram", "PipelineProgram", "apply_pipeline"]
 

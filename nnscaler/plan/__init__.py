@@ -1,3 +1,3 @@
-"""`python -m nnscaler.plan`: offline planning (see nnscaler.parallel.plan_cli)."""
+"""`python -m nnscaler.plan`: offline planning; the command is `nnscaler.cli.plan`."""
 
 __all__: list[str] = []

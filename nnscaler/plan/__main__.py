@@ -1,7 +1,7 @@
-"""`python -m nnscaler.plan --model <builder> --cluster cluster.yaml`: print autodist's plan report."""
+"""`python -m nnscaler.plan --model <builder> --cluster cluster.yaml`: runs `nnscaler.cli.plan`."""
 
 import sys
 
-from nnscaler.parallel.plan_cli import main
+from nnscaler.cli.plan import main
 
 sys.exit(main())

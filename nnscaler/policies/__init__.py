@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
@@ -14,6 +13,7 @@ from nnscaler.policies.builtin import pas_autodist, pas_data, pas_dp
 from nnscaler.policies.pipeline import check_end2end_loss, pas_hybrid, pas_pp, validate_pipeline
 from nnscaler.policies.plan import REPLICATE, NodePlan, PipelinePlan, Plan
 from nnscaler.policies.recompute import recompute_paths
+from nnscaler.policies.registry import BUILTIN_POLICIES, Policy, resolve_policy, validate_pas_config
 from nnscaler.policies.tp import pas_tp
 
 __all__ = [
@@ -23,34 +23,17 @@ __all__ = [
     "REPLICATE",
     "BUILTIN_POLICIES",
     "resolve_policy",
+    "validate_pas_config",
     "make_plan",
     "validate_plan",
+    "Policy",
+    "pas_dp",
+    "pas_data",
+    "pas_tp",
+    "pas_pp",
+    "pas_hybrid",
+    "pas_autodist",
 ]
-
-Policy = Callable[[Graph, ComputeConfig], Plan]
-
-BUILTIN_POLICIES: dict[str, Policy] = {
-    "dp": pas_dp,
-    "data": pas_data,
-    "tp": pas_tp,
-    "pp": pas_pp,
-    "hybrid": pas_hybrid,
-    "autodist": pas_autodist,
-}
-
-
-def resolve_policy(policy: str | Policy) -> tuple[str, Policy]:
-    """A built-in name, a dotted path 'package.module.function', or a callable."""
-    if callable(policy):
-        return getattr(policy, "__name__", "custom"), policy
-    if policy in BUILTIN_POLICIES:
-        return policy, BUILTIN_POLICIES[policy]
-    if isinstance(policy, str) and "." in policy:
-        import importlib
-
-        module, _, name = policy.rpartition(".")
-        return policy, getattr(importlib.import_module(module), name)
-    raise PlanError(f"unknown pas_policy {policy!r}: use one of {sorted(BUILTIN_POLICIES)} or a callable")
 
 
 def validate_plan(graph: Graph, plan: Plan, cfg: ComputeConfig) -> None:

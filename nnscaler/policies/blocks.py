@@ -3,7 +3,7 @@ reshaped so that its last dim becomes several (heads, q/k/v, head size)."""
 
 from __future__ import annotations
 
-from nnscaler.graph.ir import Graph
+from nnscaler.graph.ir import Graph, graph_fact
 
 __all__ = ["blocks_hint", "sub_dims"]
 
@@ -93,8 +93,5 @@ def _product(sizes: list[int]) -> int:
 
 
 def _consumers(graph: Graph, value: str):
-    index = getattr(graph, "_consumer_index", None)
-    if index is None or index[0] != len(graph.nodes):
-        index = (len(graph.nodes), graph.consumers())
-        graph._consumer_index = index  # cache for repeated look-ups during one policy run
-    return index[1].get(value, [])
+    """The nodes that read `value` (the consumer map is built once per graph: look-ups repeat)."""
+    return graph_fact(graph, "consumers", Graph.consumers).get(value, [])

@@ -46,6 +46,6 @@ def pas_data(graph: Graph, cfg: ComputeConfig) -> Plan:
 
 def pas_autodist(graph: Graph, cfg: ComputeConfig) -> Plan:
     """The searched plan (nnscaler.policies.autodist; imported on first use: it loads the ILP solver)."""
-    from nnscaler.policies.autodist import pas_autodist as search
+    from nnscaler.policies.autodist.policy import pas_autodist as search
 
     return search(graph, cfg)

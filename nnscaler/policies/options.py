@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -32,7 +32,6 @@ __all__ = [
     "AutodistOptions",
     "POLICY_OPTIONS",
     "parse_pas_config",
-    "validate_pas_config",
     "leaf_module_options",
 ]
 
@@ -218,7 +217,7 @@ class AutodistOptions(PipelineOptions):
     solver: Literal["auto", "cbc", "highs"] = field(
         default="auto",
         metadata=_doc(
-            "Integer-program solver ('auto': CBC, measured the faster here; 'highs' needs highspy)."
+            "Integer-program solver ('auto': CBC; 'highs' needs highspy)."
         ),
     )
     tp_mesh: str | list[int] = field(
@@ -329,13 +328,3 @@ def parse_pas_config(
     if policy not in POLICY_OPTIONS:
         raise PasConfigError(f"no built-in policy {policy!r}: use one of {sorted(POLICY_OPTIONS)}")
     return POLICY_OPTIONS[policy].from_pas_config(pas_config, policy=policy, strict=strict)
-
-
-def validate_pas_config(policy: str | Callable, pas_config: Mapping[str, Any] | None) -> PolicyOptions | None:
-    """Validate `pas_config` for a built-in policy (by name, dotted path or the function itself);
-    None (nothing checked) for a custom policy."""
-    from nnscaler.policies import BUILTIN_POLICIES, resolve_policy
-
-    _, fn = resolve_policy(policy)
-    name = next((n for n, f in BUILTIN_POLICIES.items() if f is fn and n in POLICY_OPTIONS), None)
-    return None if name is None else parse_pas_config(name, pas_config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nnscaler.graph.ir import Graph, Layout, Node, Ref, Shard, iter_refs
+from nnscaler.graph.ir import Graph, Layout, Node, Ref, Shard, graph_fact, iter_refs
 
 __all__ = ["WeightedOp", "weighted_op", "derived_from", "tensor_refs", "node_index", "where"]
 
@@ -80,11 +80,7 @@ def weighted_op(graph: Graph, node: Node) -> WeightedOp | None:
 
 def node_index(graph: Graph) -> dict[str, Node]:
     """Node name -> node, built once per graph (the policy looks producers up often)."""
-    index = getattr(graph, "_tp_node_index", None)
-    if index is None or len(index) != len(graph.nodes):
-        index = {n.name: n for n in graph.nodes}
-        graph._tp_node_index = index
-    return index
+    return graph_fact(graph, "node_index", lambda g: {n.name: n for n in g.nodes})
 
 
 def where(node: Node) -> str:

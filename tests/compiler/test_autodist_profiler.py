@@ -6,9 +6,9 @@ from nnscaler import ComputeConfig
 from nnscaler.policies import make_plan
 from nnscaler.policies.autodist import planner_setup, solve_spmd
 from nnscaler.policies.autodist.choices import node_choices, op_key
+from nnscaler.policies.autodist.context import stage_context
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.autodist.profiler import ProfileDB, profile_graph
-from nnscaler.policies.autodist.search import _ctx
 
 
 def test_profile_and_use_measured_times(zoo_graphs, tmp_path):
@@ -28,7 +28,7 @@ def test_profile_and_use_measured_times(zoo_graphs, tmp_path):
     # a made-up measurement changes the cost the search sees
     fake = {k: 1.0 for k in db.entries}
     setup = planner_setup(graph, ComputeConfig(2, 2, pas_config={"cluster": "cpu_gloo"}))
-    ctx = _ctx(setup, 1)
+    ctx = stage_context(setup, 1)
     measured = type(ctx)(**{**ctx.__dict__, "measured": fake})
     whole = node_choices(graph, linear, measured, MemoryModel(), set()).choices[0]
     assert whole.compute == 1.0
@@ -57,12 +57,13 @@ def test_database_carries_links_and_step_overhead(zoo_graphs, tmp_path):
     assert (setup.cluster.intra_node.bandwidth_gbs, setup.cluster.intra_node.latency_us) == (0.5, 700.0)
     assert setup.step_overhead == db.step_overhead_s
     plain = planner_setup(graph, ComputeConfig(1, 2, pas_config={"cluster": "cpu_gloo"}))
-    from nnscaler.policies.autodist.search import fixed_costs
+    from nnscaler.policies.autodist.context import fixed_costs
 
-    with_db = fixed_costs(graph, setup, _ctx(setup, 1), nmicros=4)
+    with_db = fixed_costs(graph, setup, stage_context(setup, 1), nmicros=4)
     # 4 micro-batches' overhead + one bucket's all-reduce latency (2 steps of 700 us for 2 replicas)
     assert abs(with_db - (4 * db.step_overhead_s + 2 * 700e-6)) < 1e-8  # (and one byte on the wire)
-    assert abs(fixed_costs(graph, plain, _ctx(plain, 1), nmicros=4) - 2 * 50e-6) < 1e-8  # cpu_gloo: 50 us
+    plain_costs = fixed_costs(graph, plain, stage_context(plain, 1), nmicros=4)
+    assert abs(plain_costs - 2 * 50e-6) < 1e-8  # cpu_gloo: 50 us
 
 
 def test_fit_link_recovers_alpha_and_beta():
@@ -95,7 +96,7 @@ def _link_rank(rank: int, world_size: int) -> tuple[float, float]:
 def test_profiler_cli_adds_to_a_database(tmp_path):
     """`python -m nnscaler.profiler` traces a builder's model, times its ops on this machine's device
     and adds them to the file (a second model's ops join the first's)."""
-    from nnscaler.profiler import main
+    from nnscaler.cli.profile import main
 
     out = tmp_path / "ops.json"
     main(["--model", "tests.zoo.build_mlp", "--ways", "1,2", "--repeats", "1", "--out", str(out)])
@@ -146,9 +147,9 @@ def test_free_ops_cost_their_measured_dispatch(zoo_graphs, tmp_path):
     plain = planner_setup(graph, ComputeConfig(1, 1, pas_config=cfg))
     setup = planner_setup(graph, ComputeConfig(1, 1, pas_config={**cfg, "profile_db_path": str(path)}))
     assert setup.free_op == db.free_op_s
-    charged = node_choices(graph, view, _ctx(setup, 1), MemoryModel(), set()).choices[0].compute
+    charged = node_choices(graph, view, stage_context(setup, 1), MemoryModel(), set()).choices[0].compute
     assert charged == db.free_op_s
-    assert node_choices(graph, view, _ctx(plain, 1), MemoryModel(), set()).choices[0].compute == 0.0
+    assert node_choices(graph, view, stage_context(plain, 1), MemoryModel(), set()).choices[0].compute == 0.0
 
 
 def test_views_cost_nothing_on_an_asynchronous_device():

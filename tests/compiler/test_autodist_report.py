@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from nnscaler import ComputeConfig
+from nnscaler.cli.plan import main
 from nnscaler.parallel.compile import compile_module
-from nnscaler.parallel.plan_cli import main
 from nnscaler.policies import Plan
 from tests import zoo
 

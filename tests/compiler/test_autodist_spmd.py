@@ -14,7 +14,7 @@ from nnscaler.graph.ir import Shard
 from nnscaler.partition import apply_plan
 from nnscaler.policies import make_plan
 from nnscaler.policies.autodist import planner_setup, solve_spmd
-from nnscaler.policies.autodist.search import _ctx
+from nnscaler.policies.autodist.context import stage_context
 
 # Slow math, free memory traffic, fast links with real latency: splitting matmuls pays, and the
 # layout with the fewest collectives wins (Megatron: one all-reduce after attention, one after the MLP).
@@ -68,7 +68,7 @@ def test_picks_data_parallel_for_a_large_batch(zoo_graphs, model):
     graph = zoo_graphs[model][0]
     cluster = {**TP_CLUSTER, "intra_node": {"bandwidth_gbs": 100, "latency_us": 0}}
     setup = planner_setup(graph, _cfg(cluster))
-    ctx = _ctx(setup, 2)
+    ctx = stage_context(setup, 2)
     big = type(ctx)(**{**ctx.__dict__, "batch_scale": 64.0})
     res = solve_spmd(graph, big, setup.memory)
     linears = [n for n in graph.nodes if n.op in MATMULS]
@@ -88,8 +88,8 @@ def test_small_model_on_slow_links_stays_replicated(zoo_graphs):
 def test_repeated_layers_are_solved_once(zoo_graphs):
     graph = zoo_graphs["llama"][0]
     setup = planner_setup(graph, _cfg(TP_CLUSTER))
-    res = solve_spmd(graph, _ctx(setup, 2), setup.memory)
-    flat = solve_spmd(graph, _ctx(setup, 2), setup.memory, fold=False)
+    res = solve_spmd(graph, stage_context(setup, 2), setup.memory)
+    flat = solve_spmd(graph, stage_context(setup, 2), setup.memory, fold=False)
     assert res.stats["folded_nodes"] < flat.stats["folded_nodes"] == len(graph.nodes)
     assert res.stats["status"] == "Optimal"
     layer0 = [n.name for n in graph.nodes if n.module_path.startswith("model.layers.0.")]
@@ -124,14 +124,14 @@ def test_memory_limit_forces_sharded_weights(zoo_graphs):
     """On gloo links everything stays whole, unless the memory limit leaves no room for whole weights."""
     graph = zoo_graphs["llama"][0]
     setup = planner_setup(graph, _cfg("cpu_gloo"))
-    free = solve_spmd(graph, _ctx(setup, 2), setup.memory)
-    tight = solve_spmd(graph, _ctx(setup, 2), setup.memory, mem_limit=free.memory * 0.7)
+    free = solve_spmd(graph, stage_context(setup, 2), setup.memory)
+    tight = solve_spmd(graph, stage_context(setup, 2), setup.memory, mem_limit=free.memory * 0.7)
     assert tight.memory <= free.memory * 0.7 < free.memory
     assert sum(c.param_bytes for c in tight.choice.values()) < sum(
         c.param_bytes for c in free.choice.values()
     )
     with pytest.raises(PlanError, match="mem_constraint"):
-        solve_spmd(graph, _ctx(setup, 2), setup.memory, mem_limit=1000.0)
+        solve_spmd(graph, stage_context(setup, 2), setup.memory, mem_limit=1000.0)
 
 
 def test_save_and_load_plan(zoo_graphs, tmp_path):
@@ -164,7 +164,7 @@ def test_a_given_plan_is_costed_and_checked_without_a_solver(zoo_graphs):
     solver run, and a memory limit it exceeds is still an error."""
     graph = zoo_graphs["llama"][0]
     setup = planner_setup(graph, _cfg(TP_CLUSTER))
-    ctx = _ctx(setup, 2)
+    ctx = stage_context(setup, 2)
     free = solve_spmd(graph, ctx, setup.memory)
     assert free.stats["solver"] in ("cbc", "highs") and any(p.is_split for p in free.plans.values())
     again = solve_spmd(graph, ctx, setup.memory, fixed=free.plans)
@@ -182,7 +182,7 @@ def test_a_limit_below_every_nodes_leanest_choice_fails_before_solving(zoo_graph
 
     graph = zoo_graphs["llama"][0]
     setup = planner_setup(graph, _cfg("cpu_gloo"))
-    ctx = _ctx(setup, 2)
+    ctx = stage_context(setup, 2)
     lean = solve_spmd(graph, ctx, setup.memory, mem_limit=solve_spmd(graph, ctx, setup.memory).memory * 0.7)
     solves = []
     real_solve = pulp.LpProblem.solve

@@ -8,9 +8,9 @@ import sympy
 import torch
 
 from nnscaler import ComputeConfig
+from nnscaler.cli.plan import main
 from nnscaler.errors import PlanError
 from nnscaler.graph.capture import capture
-from nnscaler.parallel.plan_cli import main
 from nnscaler.policies import make_plan
 from nnscaler.policies.autodist import planner_setup
 from nnscaler.policies.autodist.cost import node_flops

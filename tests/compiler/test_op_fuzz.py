@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import nnscaler.runtime.comm as comm
 import nnscaler.runtime.rng as rng
-from nnscaler.graph.ir import Graph, Node, Partial, Ref, Replicate, Shard, TensorMeta, Value
+from nnscaler.graph.ir import Graph, GraphBuilder, Node, Partial, Ref, Replicate, Shard, TensorMeta, Value
 from nnscaler.graph.ops import all_rules, annotate_node, get_rule, layouts_for, split_candidates
 from nnscaler.partition import GROUP, RankScaled, apply_plan
 from nnscaler.policies import Plan
@@ -214,7 +214,7 @@ def _clone(obj):
 
 def _one_node_graph(op: str, case: Case) -> tuple[Graph, dict[str, torch.Tensor], list[torch.Tensor]]:
     """A graph of one node calling `op` on the case's inputs, the inputs by name, the whole op's outputs."""
-    graph = Graph()
+    graph = GraphBuilder()
     inputs: dict[str, torch.Tensor] = {}
     names: dict[int, str] = {}  # a tensor passed twice is one value read twice
 
@@ -243,7 +243,7 @@ def _one_node_graph(op: str, case: Case) -> tuple[Graph, dict[str, torch.Tensor]
     graph.nodes.append(Node("node", op, args, kwargs, out_names, tuple_output=tuple_output))
     graph.forward_args = list(graph.inputs)
     graph.outputs = [Ref(n) for n in out_names]
-    return graph, inputs, outs
+    return graph.build(), inputs, outs
 
 
 def _merge(pieces: list, layout, full: torch.Tensor, check: str) -> torch.Tensor:

@@ -8,6 +8,7 @@ the module and the source line; verify=False lets the fault through; verify=True
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -101,38 +102,44 @@ def _compile(model, batch, tmp_path, **kw):
 
 
 def _patch_graph(monkeypatch, edit) -> None:
-    """Capture as usual, then `edit(graph)`: a fault planted after torch.export, as a converter bug would."""
+    """Capture as usual, then `edit(graph)` (a new graph: the IR is immutable): a fault planted after
+    torch.export, as a converter bug would."""
     real = compile_mod.capture
 
     def faulty(*args, **kwargs):
-        graph = real(*args, **kwargs)
-        edit(graph)
-        return graph
+        return edit(real(*args, **kwargs))
 
     monkeypatch.setattr(compile_mod, "capture", faulty)
 
 
-def _swap_sub(graph) -> None:
+def _with_node(graph, node, **changes):
+    """`graph` with `node` replaced by a copy with `changes`."""
+    return replace(graph, nodes=[replace(n, **changes) if n is node else n for n in graph.nodes])
+
+
+def _swap_sub(graph):
     node = next(n for n in graph.nodes if n.op == "aten.sub.Tensor")
-    node.args = (node.args[1], node.args[0], *node.args[2:])
+    return _with_node(graph, node, args=(node.args[1], node.args[0], *node.args[2:]))
 
 
-def _drop_writes(graph) -> None:
+def _drop_writes(graph):
     """Lose every write into a view: readers of a `*_scatter` read its base, then dead nodes go."""
     for node in reversed(graph.nodes):
         if node.op.endswith("_scatter.default"):
             swap = lambda r, base=node.args[0], out=node.outputs[0]: base if r.name == out else r  # noqa: E731
-            for other in graph.nodes:
-                other.args, other.kwargs = map_refs(other.args, swap), map_refs(other.kwargs, swap)
-            graph.outputs = map_refs(graph.outputs, swap)
+            nodes = [
+                replace(n, args=map_refs(n.args, swap), kwargs=map_refs(n.kwargs, swap)) for n in graph.nodes
+            ]
+            graph = replace(graph, nodes=nodes, outputs=map_refs(graph.outputs, swap))
     used = True
     while used:
         read = {r for n in graph.nodes for r in n.input_names()} | set(graph.output_names())
         dead = [n for n in graph.nodes if not any(o in read for o in n.outputs)]
         used = bool(dead)
-        graph.nodes = [n for n in graph.nodes if n not in dead]
+        graph = replace(graph, nodes=[n for n in graph.nodes if n not in dead])
     assert not any(n.source.startswith(_line("MARK-WRITE")) for n in graph.nodes)
     assert isinstance(graph.outputs[0], Ref)
+    return graph
 
 
 # ---- correct models pass, and are left as they were ------------------------------------------------
@@ -219,8 +226,8 @@ def test_lost_slice_write_names_module_and_line(tmp_path, monkeypatch):
 
 
 def test_lost_gradient_names_the_parameter_and_its_reader(tmp_path, monkeypatch):
-    def detach_head(graph):
-        next(n for n in graph.nodes if n.module_path == "out").no_grad = True  # as if a no_grad region grew
+    def detach_head(graph):  # as if a no_grad region grew
+        return _with_node(graph, next(n for n in graph.nodes if n.module_path == "out"), no_grad=True)
 
     _patch_graph(monkeypatch, detach_head)
     with pytest.raises(CompileError) as info:

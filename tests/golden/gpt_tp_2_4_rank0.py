@@ -12,6 +12,18 @@ import torch.nn.functional as F
 from nnscaler.runtime import ParallelModule, comm
 
 
+class _LayerParams:
+    """One repeated layer's weights, for its layer function: p.x is module.<prefix>x."""
+
+    __slots__ = ("_module", "_prefix")
+
+    def __init__(self, module, prefix):
+        self._module, self._prefix = module, prefix
+
+    def __getattr__(self, name):
+        return getattr(self._module, self._prefix + name)
+
+
 class GenModel(ParallelModule):
     rank = 0
 
@@ -19,30 +31,19 @@ class GenModel(ParallelModule):
         super().__init__(rank=0, world_size=4, plan_ngpus=2, groups={"tp": [0, 1], "dp": [0, 2]}, all_groups=[[0, 1], [2, 3], [0, 2], [1, 3]])
         self.add_shard("transformer_wte_weight", "transformer.wte.weight", (128, 64), torch.float32, shard=(0, 0, 2, 1))  # rows: 1/2
         self.add_shard("transformer_wpe_weight", "transformer.wpe.weight", (32, 64), torch.float32)  # replicated
-        self.add_shard("transformer_h_0_ln_1_weight", "transformer.h.0.ln_1.weight", (64,), torch.float32)  # replicated
-        self.add_shard("transformer_h_0_ln_1_bias", "transformer.h.0.ln_1.bias", (64,), torch.float32)  # replicated
-        self.add_shard("transformer_h_0_attn_c_attn_weight", "transformer.h.0.attn.c_attn.weight", (192, 64), torch.float32, shard=(0, 0, 2, 3))  # rows: 1/2 of each of 3 blocks
-        self.add_shard("transformer_h_0_attn_c_attn_bias", "transformer.h.0.attn.c_attn.bias", (192,), torch.float32, shard=(0, 0, 2, 3))  # rows: 1/2 of each of 3 blocks
-        self.add_shard("transformer_h_0_attn_c_proj_weight", "transformer.h.0.attn.c_proj.weight", (64, 64), torch.float32, shard=(1, 0, 2, 1))  # dim 1: 1/2
-        self.add_shard("transformer_h_0_attn_c_proj_bias", "transformer.h.0.attn.c_proj.bias", (64,), torch.float32)  # replicated
-        self.add_shard("transformer_h_0_ln_2_weight", "transformer.h.0.ln_2.weight", (64,), torch.float32)  # replicated
-        self.add_shard("transformer_h_0_ln_2_bias", "transformer.h.0.ln_2.bias", (64,), torch.float32)  # replicated
-        self.add_shard("transformer_h_0_mlp_c_fc_weight", "transformer.h.0.mlp.c_fc.weight", (256, 64), torch.float32, shard=(0, 0, 2, 1))  # rows: 1/2
-        self.add_shard("transformer_h_0_mlp_c_fc_bias", "transformer.h.0.mlp.c_fc.bias", (256,), torch.float32, shard=(0, 0, 2, 1))  # rows: 1/2
-        self.add_shard("transformer_h_0_mlp_c_proj_weight", "transformer.h.0.mlp.c_proj.weight", (64, 256), torch.float32, shard=(1, 0, 2, 1))  # dim 1: 1/2
-        self.add_shard("transformer_h_0_mlp_c_proj_bias", "transformer.h.0.mlp.c_proj.bias", (64,), torch.float32)  # replicated
-        self.add_shard("transformer_h_1_ln_1_weight", "transformer.h.1.ln_1.weight", (64,), torch.float32)  # replicated
-        self.add_shard("transformer_h_1_ln_1_bias", "transformer.h.1.ln_1.bias", (64,), torch.float32)  # replicated
-        self.add_shard("transformer_h_1_attn_c_attn_weight", "transformer.h.1.attn.c_attn.weight", (192, 64), torch.float32, shard=(0, 0, 2, 3))  # rows: 1/2 of each of 3 blocks
-        self.add_shard("transformer_h_1_attn_c_attn_bias", "transformer.h.1.attn.c_attn.bias", (192,), torch.float32, shard=(0, 0, 2, 3))  # rows: 1/2 of each of 3 blocks
-        self.add_shard("transformer_h_1_attn_c_proj_weight", "transformer.h.1.attn.c_proj.weight", (64, 64), torch.float32, shard=(1, 0, 2, 1))  # dim 1: 1/2
-        self.add_shard("transformer_h_1_attn_c_proj_bias", "transformer.h.1.attn.c_proj.bias", (64,), torch.float32)  # replicated
-        self.add_shard("transformer_h_1_ln_2_weight", "transformer.h.1.ln_2.weight", (64,), torch.float32)  # replicated
-        self.add_shard("transformer_h_1_ln_2_bias", "transformer.h.1.ln_2.bias", (64,), torch.float32)  # replicated
-        self.add_shard("transformer_h_1_mlp_c_fc_weight", "transformer.h.1.mlp.c_fc.weight", (256, 64), torch.float32, shard=(0, 0, 2, 1))  # rows: 1/2
-        self.add_shard("transformer_h_1_mlp_c_fc_bias", "transformer.h.1.mlp.c_fc.bias", (256,), torch.float32, shard=(0, 0, 2, 1))  # rows: 1/2
-        self.add_shard("transformer_h_1_mlp_c_proj_weight", "transformer.h.1.mlp.c_proj.weight", (64, 256), torch.float32, shard=(1, 0, 2, 1))  # dim 1: 1/2
-        self.add_shard("transformer_h_1_mlp_c_proj_bias", "transformer.h.1.mlp.c_proj.bias", (64,), torch.float32)  # replicated
+        for i in range(2):  # transformer.h.0 .. transformer.h.1: 12 tensors each, stored alike
+            self.add_shard(f"transformer_h_{i}_ln_1_weight", f"transformer.h.{i}.ln_1.weight", (64,), torch.float32)  # replicated
+            self.add_shard(f"transformer_h_{i}_ln_1_bias", f"transformer.h.{i}.ln_1.bias", (64,), torch.float32)  # replicated
+            self.add_shard(f"transformer_h_{i}_attn_c_attn_weight", f"transformer.h.{i}.attn.c_attn.weight", (192, 64), torch.float32, shard=(0, 0, 2, 3))  # rows: 1/2 of each of 3 blocks
+            self.add_shard(f"transformer_h_{i}_attn_c_attn_bias", f"transformer.h.{i}.attn.c_attn.bias", (192,), torch.float32, shard=(0, 0, 2, 3))  # rows: 1/2 of each of 3 blocks
+            self.add_shard(f"transformer_h_{i}_attn_c_proj_weight", f"transformer.h.{i}.attn.c_proj.weight", (64, 64), torch.float32, shard=(1, 0, 2, 1))  # dim 1: 1/2
+            self.add_shard(f"transformer_h_{i}_attn_c_proj_bias", f"transformer.h.{i}.attn.c_proj.bias", (64,), torch.float32)  # replicated
+            self.add_shard(f"transformer_h_{i}_ln_2_weight", f"transformer.h.{i}.ln_2.weight", (64,), torch.float32)  # replicated
+            self.add_shard(f"transformer_h_{i}_ln_2_bias", f"transformer.h.{i}.ln_2.bias", (64,), torch.float32)  # replicated
+            self.add_shard(f"transformer_h_{i}_mlp_c_fc_weight", f"transformer.h.{i}.mlp.c_fc.weight", (256, 64), torch.float32, shard=(0, 0, 2, 1))  # rows: 1/2
+            self.add_shard(f"transformer_h_{i}_mlp_c_fc_bias", f"transformer.h.{i}.mlp.c_fc.bias", (256,), torch.float32, shard=(0, 0, 2, 1))  # rows: 1/2
+            self.add_shard(f"transformer_h_{i}_mlp_c_proj_weight", f"transformer.h.{i}.mlp.c_proj.weight", (64, 256), torch.float32, shard=(1, 0, 2, 1))  # dim 1: 1/2
+            self.add_shard(f"transformer_h_{i}_mlp_c_proj_bias", f"transformer.h.{i}.mlp.c_proj.bias", (64,), torch.float32)  # replicated
         self.add_shard("transformer_ln_f_weight", "transformer.ln_f.weight", (64,), torch.float32)  # replicated
         self.add_shard("transformer_ln_f_bias", "transformer.ln_f.bias", (64,), torch.float32)  # replicated
         self.add_alias("lm_head.weight", "transformer.wte.weight")
@@ -80,118 +81,12 @@ class GenModel(ParallelModule):
         del add
 
         # ---- transformer.h.0 (Block) -------------------------------------------------------------------
-        # model.py:89  x = x + self.attn(self.ln_1(x))
-        layer_norm = F.layer_norm(dropout, [64], self.transformer_h_0_ln_1_weight, self.transformer_h_0_ln_1_bias, 1e-05)
-        # model.py:56  q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        layer_norm_tp = comm.copy_to_group(layer_norm, tp)  # f: identity forward, all-reduce of the gradient backward
-        del layer_norm
-        linear = F.linear(layer_norm_tp, self.transformer_h_0_attn_c_attn_weight, self.transformer_h_0_attn_c_attn_bias)  # column-parallel; local [4, 16, 96] of [4, 16, 192]
-        del layer_norm_tp
-        split_0, split_1, split_2 = linear.split(32, dim=2)
-        # model.py:58  q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        view = split_0.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
-        transpose = view.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
-        # model.py:59  k = k.view(B, T, self.n_head, head_dim).transpose(1, 2)
-        view_1 = split_1.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
-        transpose_1 = view_1.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
-        # model.py:60  v = v.view(B, T, self.n_head, head_dim).transpose(1, 2)
-        view_2 = split_2.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
-        transpose_2 = view_2.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
-        # model.py:61  y = F.scaled_dot_product_attention(
-        scaled_dot_product_attention = F.scaled_dot_product_attention(transpose, transpose_1, transpose_2, is_causal=True)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
-        del linear, split_0, split_1, split_2, view, transpose, view_1, transpose_1, view_2, transpose_2
-        # model.py:64  y = y.transpose(1, 2).contiguous().view(B, T, C)
-        transpose_3 = scaled_dot_product_attention.transpose(1, 2)  # local [4, 16, 2, 16] of [4, 16, 4, 16]
-        view_3 = transpose_3.view([idx_size0, idx_size1, 32])  # local [4, 16, 32] of [4, 16, 64]
-        # model.py:65  return self.resid_dropout(self.c_proj(y))
-        linear_1_partial = F.linear(view_3, self.transformer_h_0_attn_c_proj_weight)  # row-parallel
-        del scaled_dot_product_attention, transpose_3, view_3
-        linear_1_reduced = comm.reduce_from_group(linear_1_partial, tp)  # row-parallel
-        del linear_1_partial
-        linear_1 = linear_1_reduced + self.transformer_h_0_attn_c_proj_bias  # bias added once, after the reduction
-        del linear_1_reduced
-        dropout_1 = F.dropout(linear_1, 0.0, self.training)
-        del linear_1
-        # model.py:89  x = x + self.attn(self.ln_1(x))
-        add_1 = dropout + dropout_1
-        del dropout, dropout_1
-        # model.py:90  x = x + self.mlp(self.ln_2(x))
-        layer_norm_1 = F.layer_norm(add_1, [64], self.transformer_h_0_ln_2_weight, self.transformer_h_0_ln_2_bias, 1e-05)
-        # model.py:77  return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
-        layer_norm_1_tp = comm.copy_to_group(layer_norm_1, tp)  # f: identity forward, all-reduce of the gradient backward
-        del layer_norm_1
-        linear_2 = F.linear(layer_norm_1_tp, self.transformer_h_0_mlp_c_fc_weight, self.transformer_h_0_mlp_c_fc_bias)  # column-parallel; local [4, 16, 128] of [4, 16, 256]
-        del layer_norm_1_tp
-        gelu = F.gelu(linear_2)  # local [4, 16, 128] of [4, 16, 256]
-        del linear_2
-        linear_3_partial = F.linear(gelu, self.transformer_h_0_mlp_c_proj_weight)  # row-parallel
-        del gelu
-        linear_3_reduced = comm.reduce_from_group(linear_3_partial, tp)  # row-parallel
-        del linear_3_partial
-        linear_3 = linear_3_reduced + self.transformer_h_0_mlp_c_proj_bias  # bias added once, after the reduction
-        del linear_3_reduced
-        dropout_2 = F.dropout(linear_3, 0.0, self.training)
-        del linear_3
-        # model.py:90  x = x + self.mlp(self.ln_2(x))
-        add_2 = add_1 + dropout_2
-        del add_1, dropout_2
+        add_2 = self._layer_Block(_LayerParams(self, "transformer_h_0_"), dropout, idx_size0, idx_size1)
+        del dropout
 
         # ---- transformer.h.1 (Block) -------------------------------------------------------------------
-        # model.py:89  x = x + self.attn(self.ln_1(x))
-        layer_norm_2 = F.layer_norm(add_2, [64], self.transformer_h_1_ln_1_weight, self.transformer_h_1_ln_1_bias, 1e-05)
-        # model.py:56  q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        layer_norm_2_tp = comm.copy_to_group(layer_norm_2, tp)  # f: identity forward, all-reduce of the gradient backward
-        del layer_norm_2
-        linear_4 = F.linear(layer_norm_2_tp, self.transformer_h_1_attn_c_attn_weight, self.transformer_h_1_attn_c_attn_bias)  # column-parallel; local [4, 16, 96] of [4, 16, 192]
-        del layer_norm_2_tp
-        split_1_1_0, split_1_1_1, split_1_1_2 = linear_4.split(32, dim=2)
-        # model.py:58  q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        view_4 = split_1_1_0.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
-        transpose_4 = view_4.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
-        # model.py:59  k = k.view(B, T, self.n_head, head_dim).transpose(1, 2)
-        view_5 = split_1_1_1.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
-        transpose_5 = view_5.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
-        # model.py:60  v = v.view(B, T, self.n_head, head_dim).transpose(1, 2)
-        view_6 = split_1_1_2.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
-        transpose_6 = view_6.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
-        # model.py:61  y = F.scaled_dot_product_attention(
-        scaled_dot_product_attention_1 = F.scaled_dot_product_attention(transpose_4, transpose_5, transpose_6, is_causal=True)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
-        del linear_4, split_1_1_0, split_1_1_1, split_1_1_2, view_4, transpose_4, view_5, transpose_5, view_6, transpose_6
-        # model.py:64  y = y.transpose(1, 2).contiguous().view(B, T, C)
-        transpose_7 = scaled_dot_product_attention_1.transpose(1, 2)  # local [4, 16, 2, 16] of [4, 16, 4, 16]
-        view_7 = transpose_7.view([idx_size0, idx_size1, 32])  # local [4, 16, 32] of [4, 16, 64]
-        # model.py:65  return self.resid_dropout(self.c_proj(y))
-        linear_5_partial = F.linear(view_7, self.transformer_h_1_attn_c_proj_weight)  # row-parallel
-        del scaled_dot_product_attention_1, transpose_7, view_7
-        linear_5_reduced = comm.reduce_from_group(linear_5_partial, tp)  # row-parallel
-        del linear_5_partial
-        linear_5 = linear_5_reduced + self.transformer_h_1_attn_c_proj_bias  # bias added once, after the reduction
-        del linear_5_reduced
-        dropout_3 = F.dropout(linear_5, 0.0, self.training)
-        del linear_5
-        # model.py:89  x = x + self.attn(self.ln_1(x))
-        add_3 = add_2 + dropout_3
-        del add_2, dropout_3
-        # model.py:90  x = x + self.mlp(self.ln_2(x))
-        layer_norm_3 = F.layer_norm(add_3, [64], self.transformer_h_1_ln_2_weight, self.transformer_h_1_ln_2_bias, 1e-05)
-        # model.py:77  return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
-        layer_norm_3_tp = comm.copy_to_group(layer_norm_3, tp)  # f: identity forward, all-reduce of the gradient backward
-        del layer_norm_3
-        linear_6 = F.linear(layer_norm_3_tp, self.transformer_h_1_mlp_c_fc_weight, self.transformer_h_1_mlp_c_fc_bias)  # column-parallel; local [4, 16, 128] of [4, 16, 256]
-        del layer_norm_3_tp
-        gelu_1 = F.gelu(linear_6)  # local [4, 16, 128] of [4, 16, 256]
-        del linear_6
-        linear_7_partial = F.linear(gelu_1, self.transformer_h_1_mlp_c_proj_weight)  # row-parallel
-        del gelu_1
-        linear_7_reduced = comm.reduce_from_group(linear_7_partial, tp)  # row-parallel
-        del linear_7_partial
-        linear_7 = linear_7_reduced + self.transformer_h_1_mlp_c_proj_bias  # bias added once, after the reduction
-        del linear_7_reduced
-        dropout_4 = F.dropout(linear_7, 0.0, self.training)
-        del linear_7
-        # model.py:90  x = x + self.mlp(self.ln_2(x))
-        add_4 = add_3 + dropout_4
-        del add_3, dropout_4
+        add_4 = self._layer_Block(_LayerParams(self, "transformer_h_1_"), add_2, idx_size0, idx_size1)
+        del add_2
 
         # ---- transformer.ln_f (LayerNorm) --------------------------------------------------------------
         # model.py:140  x = self.transformer.ln_f(x)
@@ -212,3 +107,63 @@ class GenModel(ParallelModule):
         cross_entropy_loss = comm.vocab_parallel_cross_entropy(view_8, view_9, 0, tp, ignore_index=-1, reduction='mean')
         del linear_8, view_8, view_9
         return cross_entropy_loss
+
+    def _layer_Block(self, p, dropout, idx_size0, idx_size1):
+        """transformer.h.0 .. transformer.h.1 (Block), one call each; p: the layer's weights (for transformer.h.0, p.ln_1_weight is self.transformer_h_0_ln_1_weight)."""
+        tp = self.group("tp")
+        # model.py:89  x = x + self.attn(self.ln_1(x))
+        layer_norm = F.layer_norm(dropout, [64], p.ln_1_weight, p.ln_1_bias, 1e-05)
+        # model.py:56  q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        layer_norm_tp = comm.copy_to_group(layer_norm, tp)  # f: identity forward, all-reduce of the gradient backward
+        del layer_norm
+        linear = F.linear(layer_norm_tp, p.attn_c_attn_weight, p.attn_c_attn_bias)  # column-parallel; local [4, 16, 96] of [4, 16, 192]
+        del layer_norm_tp
+        split, split_1, split_2 = linear.split(32, dim=2)
+        # model.py:58  q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        view = split.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
+        transpose = view.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
+        # model.py:59  k = k.view(B, T, self.n_head, head_dim).transpose(1, 2)
+        view_1 = split_1.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
+        transpose_1 = view_1.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
+        # model.py:60  v = v.view(B, T, self.n_head, head_dim).transpose(1, 2)
+        view_2 = split_2.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
+        transpose_2 = view_2.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
+        # model.py:61  y = F.scaled_dot_product_attention(
+        scaled_dot_product_attention = F.scaled_dot_product_attention(transpose, transpose_1, transpose_2, is_causal=True)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
+        del linear, split, split_1, split_2, view, transpose, view_1, transpose_1, view_2, transpose_2
+        # model.py:64  y = y.transpose(1, 2).contiguous().view(B, T, C)
+        transpose_3 = scaled_dot_product_attention.transpose(1, 2)  # local [4, 16, 2, 16] of [4, 16, 4, 16]
+        view_3 = transpose_3.view([idx_size0, idx_size1, 32])  # local [4, 16, 32] of [4, 16, 64]
+        # model.py:65  return self.resid_dropout(self.c_proj(y))
+        linear_1_partial = F.linear(view_3, p.attn_c_proj_weight)  # row-parallel
+        del scaled_dot_product_attention, transpose_3, view_3
+        linear_1_reduced = comm.reduce_from_group(linear_1_partial, tp)  # row-parallel
+        del linear_1_partial
+        linear_1 = linear_1_reduced + p.attn_c_proj_bias  # bias added once, after the reduction
+        del linear_1_reduced
+        dropout_1 = F.dropout(linear_1, 0.0, self.training)
+        del linear_1
+        # model.py:89  x = x + self.attn(self.ln_1(x))
+        add = dropout + dropout_1
+        del dropout_1
+        # model.py:90  x = x + self.mlp(self.ln_2(x))
+        layer_norm_1 = F.layer_norm(add, [64], p.ln_2_weight, p.ln_2_bias, 1e-05)
+        # model.py:77  return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        layer_norm_1_tp = comm.copy_to_group(layer_norm_1, tp)  # f: identity forward, all-reduce of the gradient backward
+        del layer_norm_1
+        linear_2 = F.linear(layer_norm_1_tp, p.mlp_c_fc_weight, p.mlp_c_fc_bias)  # column-parallel; local [4, 16, 128] of [4, 16, 256]
+        del layer_norm_1_tp
+        gelu = F.gelu(linear_2)  # local [4, 16, 128] of [4, 16, 256]
+        del linear_2
+        linear_3_partial = F.linear(gelu, p.mlp_c_proj_weight)  # row-parallel
+        del gelu
+        linear_3_reduced = comm.reduce_from_group(linear_3_partial, tp)  # row-parallel
+        del linear_3_partial
+        linear_3 = linear_3_reduced + p.mlp_c_proj_bias  # bias added once, after the reduction
+        del linear_3_reduced
+        dropout_2 = F.dropout(linear_3, 0.0, self.training)
+        del linear_3
+        # model.py:90  x = x + self.mlp(self.ln_2(x))
+        add_1 = add + dropout_2
+        del add, dropout_2
+        return add_1

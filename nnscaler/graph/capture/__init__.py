@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,9 +55,9 @@ def capture(
         # ...and submodules it cannot capture (named, or failing on data-dependent code) stay opaque
         ep, leaves = capture_with_leaves(module, kwargs, export, trace, leaf_modules, auto_leaf_modules)
     graph = mark_leaf_nodes(name_autograd_functions(convert_exported(ep, module, forward_args)), leaves)
-    graph.untraced_args = untraced_defaults(module, forward_args)
-    graph.static_shapes = static_shapes
-    return graph
+    return dataclasses.replace(
+        graph, untraced_args=untraced_defaults(module, forward_args), static_shapes=static_shapes
+    )
 
 
 def _trace_device(module: torch.nn.Module) -> torch.device | None:

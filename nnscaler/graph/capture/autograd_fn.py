@@ -16,6 +16,7 @@ and plain literals, stops the compile with a TraceError naming it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import re
@@ -204,7 +205,7 @@ def opaque_autograd_functions() -> Iterator[None]:
 
 def name_autograd_functions(graph: Graph) -> Graph:
     """Name the traced Function ops after their Functions ('module:Qualname.apply')."""
-    for node in graph.nodes:
-        if node.op in _NAMES:
-            node.op = _NAMES[node.op]
-    return graph
+    if not any(node.op in _NAMES for node in graph.nodes):
+        return graph
+    nodes = [dataclasses.replace(n, op=_NAMES[n.op]) if n.op in _NAMES else n for n in graph.nodes]
+    return dataclasses.replace(graph, nodes=nodes)

@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from nnscaler.errors import TraceError
 from nnscaler.graph.capture.symbolic import SizeNames
-from nnscaler.graph.ir import Graph, Node, Ref, ShapeRule, TensorMeta, Value, map_refs
+from nnscaler.graph.ir import Graph, GraphBuilder, Node, Ref, ShapeRule, TensorMeta, Value
 
 __all__ = ["convert_exported"]
 
@@ -71,7 +71,7 @@ class _Converter:
     def __init__(self, ep: torch.export.ExportedProgram, module: torch.nn.Module, forward_args: list[str]):
         self.ep = ep
         self.module = module
-        self.graph = Graph(
+        self.graph = GraphBuilder(
             module_class=f"{type(module).__module__}.{type(module).__qualname__}", forward_args=forward_args
         )
         self.env: dict[str, Any] = {}  # fx node name -> Ref / list of Refs / constant
@@ -111,7 +111,7 @@ class _Converter:
         self.names.add(cand)
         return cand
 
-    def convert(self) -> Graph:
+    def convert(self) -> GraphBuilder:
         specs = {spec.arg.name: spec for spec in self.ep.graph_signature.input_specs}
         non_persistent = (
             set(self.ep.graph_signature.non_persistent_buffers)
@@ -330,10 +330,10 @@ def convert_exported(
     """Build a Graph from an exported program; values keep state-dict names, nodes keep source lines."""
     graph = _Converter(ep, module, forward_args).convert()
     _propagate_requires_grad(graph)
-    return graph
+    return graph.build()
 
 
-def _propagate_requires_grad(graph: Graph) -> None:
+def _propagate_requires_grad(graph: GraphBuilder) -> None:
     """A value needs grad when it is a float output of a grad-enabled node with a grad-needing input."""
     for node in graph.nodes:
         needs = not node.no_grad and any(
@@ -343,5 +343,5 @@ def _propagate_requires_grad(graph: Graph) -> None:
         for out in node.outputs:
             v = graph.values[out]
             if v.meta is not None:
-                v.meta = dataclasses.replace(v.meta, requires_grad=bool(needs and v.meta.is_float))
-    _ = map_refs  # re-exported helper kept for passes
+                meta = dataclasses.replace(v.meta, requires_grad=bool(needs and v.meta.is_float))
+                graph.values[out] = dataclasses.replace(v, meta=meta)

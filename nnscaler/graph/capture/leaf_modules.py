@@ -14,6 +14,7 @@ autograd gives its parameters their gradients. A LeafModuleWarning names every l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import io
 import json
@@ -38,7 +39,7 @@ from nnscaler.graph.capture.leaf_op import (
     describe_io,
     leaf_session,
 )
-from nnscaler.graph.ir import Graph
+from nnscaler.graph.ir import Graph, Node
 
 __all__ = ["LeafModuleWarning", "resolve_leaf_modules", "capture_with_leaves", "mark_leaf_nodes"]
 
@@ -302,21 +303,27 @@ def _warn(root: torch.nn.Module, leaves: dict[str, str], fixed: set[str]) -> Non
 
 def mark_leaf_nodes(graph: Graph, leaves: dict[str, str]) -> Graph:
     """Give each leaf node its flat tensor arguments (inputs, then state) and what codegen needs."""
-    for node in graph.nodes:
-        if node.op != LEAF_OP:
-            continue
-        path, spec, inputs, state = node.args
-        info = json.loads(spec)
-        node.args = (*inputs, *state)
-        node.kwargs = {
+    if not any(node.op == LEAF_OP for node in graph.nodes):
+        return graph
+    nodes = [_leaf_node(graph, node, leaves) if node.op == LEAF_OP else node for node in graph.nodes]
+    return dataclasses.replace(graph, nodes=nodes)
+
+
+def _leaf_node(graph: Graph, node: Node, leaves: dict[str, str]) -> Node:
+    path, spec, inputs, state = node.args
+    info = json.loads(spec)
+    return dataclasses.replace(
+        node,
+        args=(*inputs, *state),
+        kwargs={
             "leaf": path,
             "in_spec": info["in_spec"],
             "constants": info["constants"],
             "inputs": len(inputs),
             "state": info["state"],
             "why": leaves.get(path, ""),
-        }
-        node.module_path = path
-        node.source = info.get("source") or node.source
-        node.module_class = graph.module_classes.get(path, node.module_class)
-    return graph
+        },
+        module_path=path,
+        source=info.get("source") or node.source,
+        module_class=graph.module_classes.get(path, node.module_class),
+    )

@@ -5,18 +5,19 @@ torch.export.
 models read it and still choose alike in both modes (transformers' attention passes
 `dropout=0.0 if not self.training else self.attention_dropout`, which is 0.0 either way when the
 config's dropout is 0). For those the second trace of `modes.trace_both_modes` repeats the first at
-the same cost (11 s of a 32-layer Llama-3-8B's 23 s capture here). This probe runs forward on fake
-tensors (no data, no memory), once in each mode, under a TorchFunctionMode that logs every torch call:
-the function, its non-tensor arguments, each tensor argument by where it came from (a parameter or
-buffer by name, an input by name, or output i of call n), and the dtype, shape and requires_grad of
-what it returned. Equal logs and equal returned values mean the two traces call the same ops on the
-same values, so one trace serves both modes.
+the same cost, about half of capturing both modes (`benchmarks/compile_time.py` times capture). This
+probe runs forward on fake tensors (no data, no memory), once in each mode, under a TorchFunctionMode
+that logs every torch call: the function, its non-tensor arguments, each tensor argument by where it
+came from (a parameter or buffer by name, an input by name, or output i of call n), and the dtype,
+shape and requires_grad of what it returned. Equal logs and equal returned values mean the two
+traces call the same ops on the same values, so one trace serves both modes.
 
 It errs towards "differ": any failure to run, any argument it cannot name (an object is named by its
 repr, an unknown tensor by its identity, which differs between runs unless it is the same object)
 sends the caller to the second trace, which decides as before. It runs under the flags torch.export
-sets (`torch.compiler.is_exporting()` is True) and the caller's library patches, so code that branches
-on them takes the branch it takes in the trace. Written here because torch has no such comparison.
+sets (`torch.compiler.is_exporting()` is True) and the caller's library patches, so code that
+branches on them takes the branch it takes in the trace. Written here because torch has no such
+comparison.
 """
 
 from __future__ import annotations

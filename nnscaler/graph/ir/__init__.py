@@ -1,6 +1,9 @@
 """The IR: graph, values, nodes, JSON serialization and invariants. A leaf package."""
 
+from nnscaler.graph.ir.builder import GraphBuilder
 from nnscaler.graph.ir.code_fields import UnsafeGraphError, check_code_fields
+from nnscaler.graph.ir.facts import graph_fact, graph_facts
+from nnscaler.graph.ir.frozen import FrozenDict
 from nnscaler.graph.ir.graph import (
     Graph,
     Node,
@@ -36,6 +39,10 @@ from nnscaler.graph.ir.verify import verify
 
 __all__ = [
     "Graph",
+    "GraphBuilder",
+    "FrozenDict",
+    "graph_facts",
+    "graph_fact",
     "Node",
     "Ref",
     "TensorMeta",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from nnscaler.graph.ir.frozen import FrozenDict
 
 __all__ = [
     "TensorMeta",
@@ -80,9 +82,9 @@ class TensorMeta:
         return n
 
 
-@dataclass
+@dataclass(frozen=True)
 class Value:
-    """A tensor (or non-tensor) flowing through the graph.
+    """A tensor (or non-tensor) flowing through the graph; immutable (dataclasses.replace copies it).
 
     kind: 'input' (a forward argument), 'param', 'buffer', 'activation'.
     target: the forward argument name for inputs, the original state-dict name for params/buffers.
@@ -97,6 +99,10 @@ class Value:
     aliases: tuple[str, ...] = ()
     persistent: bool = True
 
+    def __post_init__(self) -> None:
+        if type(self.aliases) is not tuple:
+            object.__setattr__(self, "aliases", tuple(self.aliases))
+
     @property
     def is_tensor(self) -> bool:
         return self.meta is not None
@@ -109,15 +115,20 @@ class Ref:
     name: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class Node:
-    """One op call. `op` is the aten overload name, e.g. 'aten.linear.default'."""
+    """One op call. `op` is the aten overload name, e.g. 'aten.linear.default'.
+
+    Immutable: `args` is a tuple, `kwargs` a FrozenDict and `outputs` a tuple (lists and dicts given
+    to the constructor are converted). Structures nested inside args and kwargs (an op's list
+    arguments, a leaf op's constants) keep the types the op is called with and are never changed.
+    """
 
     name: str
     op: str
     args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    outputs: list[str]
+    kwargs: Mapping[str, Any]
+    outputs: tuple[str, ...]
     source: str = ""
     module_path: str = ""
     module_class: str = ""
@@ -125,45 +136,57 @@ class Node:
     tuple_output: bool = False
     """The op returns a tuple/list (outputs are its items), e.g. split."""
 
+    def __post_init__(self) -> None:
+        _freeze_fields(self, _NODE_CONTAINERS)
+
     def input_names(self) -> list[str]:
         """Names of the values this node reads, in argument order (duplicates kept)."""
         return [r.name for r in iter_refs((self.args, self.kwargs))]
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Graph:
-    """Ordered nodes plus the named values they read and write."""
+    """Ordered nodes plus the named values they read and write.
 
-    values: dict[str, Value] = field(default_factory=dict)
-    nodes: list[Node] = field(default_factory=list)
-    inputs: list[str] = field(default_factory=list)
+    Immutable after capture: fields cannot be assigned, sequences are tuples and mappings FrozenDicts
+    (lists and dicts given to the constructor are converted). Code that derives a graph builds a new
+    one (dataclasses.replace); capture builds with GraphBuilder. eq=False: a graph hashes and compares
+    by identity, so facts derived from it can be cached per graph object (nnscaler.graph.ir.facts).
+    """
+
+    values: Mapping[str, Value] = field(default_factory=FrozenDict)
+    nodes: tuple[Node, ...] = ()
+    inputs: tuple[str, ...] = ()
     """User input values in forward-signature order."""
-    forward_args: list[str] = field(default_factory=list)
+    forward_args: tuple[str, ...] = ()
     """Names of the forward arguments the graph was traced with (in signature order)."""
-    outputs: list[Any] = field(default_factory=list)
+    outputs: tuple[Any, ...] = ()
     """Flat outputs (Refs or constants), unflattened with `out_spec`."""
     out_spec: str = ""
     """torch.utils._pytree treespec_dumps of the forward's output structure."""
     module_class: str = ""
-    module_classes: dict[str, str] = field(default_factory=dict)
+    module_classes: Mapping[str, str] = field(default_factory=FrozenDict)
     """Module path -> class name, for every module the trace passed through."""
-    input_leaves: list[str | None] = field(default_factory=list)
+    input_leaves: tuple[str | None, ...] = ()
     """One entry per leaf of the flattened forward inputs: the value it feeds, or None (a constant)."""
-    input_constants: dict[str, object] = field(default_factory=dict)
+    input_constants: Mapping[str, object] = field(default_factory=FrozenDict)
     """Leaf index (as a string) -> the non-tensor value traced there (baked into the code)."""
-    untraced_args: dict[str, object] = field(default_factory=dict)
+    untraced_args: Mapping[str, object] = field(default_factory=FrozenDict)
     """Forward parameters left at their (literal) defaults when traced: name -> default."""
     in_spec: str = ""
     """torch.utils._pytree treespec_dumps of ((), {forward arg: value}) as traced."""
-    size_names: dict[str, list] = field(default_factory=dict)
+    size_names: Mapping[str, list] = field(default_factory=FrozenDict)
     """Size name -> [input value, dim] where the generated forward reads it (dynamic shapes)."""
-    shape_rules: list[ShapeRule] = field(default_factory=list)
+    shape_rules: tuple[ShapeRule, ...] = ()
     """Conditions on input sizes found when tracing (ranges, branches on sizes), checked at call time."""
     static_shapes: bool = False
     """Traced with constant_folding=True: every input dim is fixed to its traced size."""
-    constants: dict[str, Any] = field(default_factory=dict)
+    constants: Mapping[str, Any] = field(default_factory=FrozenDict)
     """Tensors the forward creates from literals (`torch.tensor([...])`), by buffer target: their values
     (None after loading a saved graph: the values live in the output directory's constants.pt)."""
+
+    def __post_init__(self) -> None:
+        _freeze_fields(self, _GRAPH_CONTAINERS)
 
     def params(self) -> list[Value]:
         return [v for v in self.values.values() if v.kind == "param"]
@@ -172,10 +195,10 @@ class Graph:
         return [v for v in self.values.values() if v.kind == "buffer"]
 
     def node(self, name: str) -> Node:
-        return self._node_index()[name]
-
-    def _node_index(self) -> dict[str, Node]:
-        return {n.name: n for n in self.nodes}
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
 
     def consumers(self) -> dict[str, list[Node]]:
         """Map value name -> nodes that read it (each node once)."""
@@ -187,6 +210,31 @@ class Graph:
 
     def output_names(self) -> list[str]:
         return [r.name for r in iter_refs(self.outputs)]
+
+
+_NODE_CONTAINERS = {"args": tuple, "kwargs": FrozenDict, "outputs": tuple}
+_GRAPH_CONTAINERS = {
+    "values": FrozenDict,
+    "nodes": tuple,
+    "inputs": tuple,
+    "forward_args": tuple,
+    "outputs": tuple,
+    "module_classes": FrozenDict,
+    "input_leaves": tuple,
+    "input_constants": FrozenDict,
+    "untraced_args": FrozenDict,
+    "size_names": FrozenDict,
+    "shape_rules": tuple,
+    "constants": FrozenDict,
+}
+
+
+def _freeze_fields(obj: Any, containers: dict[str, type]) -> None:
+    """Convert the container fields of a just-made frozen dataclass to their immutable types."""
+    for name, kind in containers.items():
+        current = getattr(obj, name)
+        if type(current) is not kind:
+            object.__setattr__(obj, name, kind(current))
 
 
 def iter_refs(obj: Any) -> Iterator[Ref]:

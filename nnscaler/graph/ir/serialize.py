@@ -88,7 +88,7 @@ def graph_to_json(graph: Graph) -> str:
         "nodes": [
             {**asdict(n), "args": encode_const(n.args), "kwargs": encode_const(n.kwargs)} for n in graph.nodes
         ],
-        "outputs": encode_const(graph.outputs),
+        "outputs": encode_const(list(graph.outputs)),  # a JSON list, as the traced outputs always were
         "out_spec": graph.out_spec,
         "module_classes": graph.module_classes,
         "input_leaves": graph.input_leaves,
@@ -107,26 +107,32 @@ def graph_from_json(text: str, where: str = "the graph") -> Graph:
     """The graph of `graph_to_json`; fields that codegen writes as code are checked to be plain
     names and size arithmetic (UnsafeGraphError naming `where` and the field otherwise)."""
     data = json.loads(text)
-    g = Graph(module_class=data["module_class"], forward_args=data["forward_args"], inputs=data["inputs"])
+    values = {}
     for v in data["values"]:
         meta = v.pop("meta")
-        v["aliases"] = tuple(v["aliases"])
-        g.values[v["name"]] = Value(meta=_meta_from_json(meta) if meta else None, **v)
-    for n in data["nodes"]:
-        n["args"] = decode_const(n["args"])
-        n["kwargs"] = decode_const(n["kwargs"])
-        g.nodes.append(Node(**n))
-    g.outputs = decode_const(data["outputs"])
-    g.out_spec = data["out_spec"]
-    g.module_classes = data.get("module_classes", {})
-    g.input_leaves = data.get("input_leaves", [])
-    g.in_spec = data.get("in_spec", "")
-    g.untraced_args = data.get("untraced_args", {})
-    g.input_constants = {k: decode_const(v) for k, v in data.get("input_constants", {}).items()}
-    g.size_names = data.get("size_names", {})
-    g.shape_rules = [ShapeRule(code, why) for code, why in data.get("shape_rules", [])]
-    g.static_shapes = data.get("static_shapes", False)
-    g.constants = dict.fromkeys(data.get("constants", []))
+        values[v["name"]] = Value(meta=_meta_from_json(meta) if meta else None, **v)
+    nodes = [
+        Node(**{**n, "args": decode_const(n["args"]), "kwargs": decode_const(n["kwargs"])})
+        for n in data["nodes"]
+    ]
+    g = Graph(
+        values=values,
+        nodes=nodes,
+        inputs=data["inputs"],
+        forward_args=data["forward_args"],
+        outputs=decode_const(data["outputs"]),
+        out_spec=data["out_spec"],
+        module_class=data["module_class"],
+        module_classes=data.get("module_classes", {}),
+        input_leaves=data.get("input_leaves", []),
+        input_constants={k: decode_const(v) for k, v in data.get("input_constants", {}).items()},
+        untraced_args=data.get("untraced_args", {}),
+        in_spec=data.get("in_spec", ""),
+        size_names=data.get("size_names", {}),
+        shape_rules=[ShapeRule(code, why) for code, why in data.get("shape_rules", [])],
+        static_shapes=data.get("static_shapes", False),
+        constants=dict.fromkeys(data.get("constants", [])),
+    )
     check_code_fields(g, where)
     return g
 

@@ -201,22 +201,18 @@ def node_choices(
         if ctx.measured and not free and ctx.training and scale == 1.0:
             key = op_key(node.op, _local_shapes(graph, refs, ins, ways, mesh), dtype)
             compute = ctx.measured.get(key, compute)
-        comm = _internal_comm(bound, rule, plan, in_bytes, out_bytes, ctx)
-        param_local = 0.0
-        sync = 0.0
-        bias_axes = _bias_axes(bound, rule, plan, ctx)
-        for slot, (ref, b, lay_) in enumerate(zip(refs, in_bytes, ins)):
-            value = graph.values[ref]
-            if value.kind not in ("param", "buffer"):
-                continue
-            after_reduce = bias_axes and slot == rule.bias_input  # added once, after the all-reduce
-            if value.kind == "param" and plan.is_split and ctx.training and not after_reduce:
-                comm += _partial_grad_time(b, lay_, plan, ctx)  # each device holds a partial gradient
-            if ref in owned_params:
-                local = local_bytes(b, lay_, ways, mesh)
-                param_local += local
-                if value.kind == "param":
-                    sync += memory.grad_sync_time(local, ctx)
+        comm, param_local, sync = _param_costs(
+            graph,
+            refs,
+            in_bytes,
+            ins,
+            plan=plan,
+            ctx=ctx,
+            memory=memory,
+            owned_params=owned_params,
+            comm=_internal_comm(bound, rule, plan, in_bytes, out_bytes, ctx),
+            bias_slot=rule.bias_input if _bias_axes(bound, rule, plan, ctx) else None,
+        )
         # a view (or a cast to the dtype it has) shares its input's storage, already counted where it
         # was made: counted again, views made Llama-3-8B's predicted activations 1.3x what they are
         keeps = saved and ctx.training and not free
@@ -225,18 +221,44 @@ def node_choices(
         out.choices.append(Choice(plan, ins, outs, compute, comm, mem, sync, param_local, act))
     if not out.choices:  # constraints forbade everything the shapes allow: replicate
         ins = tuple(Replicate() if m is not None else None for m in metas_in)
-        outs = tuple(Replicate() for _ in node.outputs)
+        compute = compute_time(flops, sum(in_bytes) + sum(out_bytes), ctx, dtype, matmul)
         out.choices.append(
-            Choice(
-                REPLICATE,
-                ins,
-                outs,
-                compute_time(flops, sum(in_bytes) + sum(out_bytes), ctx, dtype, matmul),
-                0.0,
-                0.0,
-            )
+            Choice(REPLICATE, ins, tuple(Replicate() for _ in node.outputs), compute, 0.0, 0.0)
         )
     return out
+
+
+def _param_costs(
+    graph: Graph,
+    refs,
+    in_bytes: list[float],
+    ins,
+    *,
+    plan: NodePlan,
+    ctx: CostContext,
+    memory: MemoryModel,
+    owned_params: set[str],
+    comm: float,
+    bias_slot: int | None,
+) -> tuple[float, float, float]:
+    """What the parameters and buffers a choice reads add: (`comm` plus the all-reduces of replicated
+    parameters' partial gradients, bytes per device of the owned ones, seconds of their gradient sync).
+    bias_slot: the input added once after the op's all-reduce (no partial gradient)."""
+    param_local = 0.0
+    sync = 0.0
+    ways = ctx.plan_ways(plan)
+    for slot, (ref, b, lay_) in enumerate(zip(refs, in_bytes, ins)):
+        value = graph.values[ref]
+        if value.kind not in ("param", "buffer"):
+            continue
+        if value.kind == "param" and plan.is_split and ctx.training and slot != bias_slot:
+            comm += _partial_grad_time(b, lay_, plan, ctx)  # each device holds a partial gradient
+        if ref in owned_params:
+            local = local_bytes(b, lay_, ways, ctx.mesh)
+            param_local += local
+            if value.kind == "param":
+                sync += memory.grad_sync_time(local, ctx)
+    return comm, param_local, sync
 
 
 def _local_shapes(

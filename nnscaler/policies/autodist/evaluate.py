@@ -6,9 +6,10 @@ import math
 from dataclasses import replace
 
 from nnscaler.graph.ir import Graph
+from nnscaler.policies.autodist.candidate import Candidate
 from nnscaler.policies.autodist.comm import send_recv
+from nnscaler.policies.autodist.context import PlannerSetup, fixed_costs, segment_input, stage_context
 from nnscaler.policies.autodist.layers import fold_layers
-from nnscaler.policies.autodist.search import Candidate, PlannerSetup, _ctx, _segment_input, fixed_costs
 from nnscaler.policies.autodist.spmd import solve_spmd
 from nnscaler.policies.plan import REPLICATE, NodePlan, Plan
 
@@ -29,7 +30,7 @@ def evaluate_nodes(
     """The predicted step time and memory of per-node splits over plan_ngpus // pp devices per stage
     (`mesh`: the stage mesh of nodes with 2-D splits)."""
     tp = setup.plan_ngpus // pp
-    ctx = replace(_ctx(setup, tp), mesh=mesh)
+    ctx = replace(stage_context(setup, tp), mesh=mesh)
     fixed = {n.name: nodes.get(n.name, REPLICATE) for n in graph.nodes}
     fixed = {k: (v if v.is_split else REPLICATE) for k, v in fixed.items()}
     fixed = {  # notes do not matter
@@ -71,7 +72,7 @@ def evaluate_nodes(
         par = sum(res.node_memory[n] for n in names) - act
         mems.append(par + act * min(len(starts) - s, nmicros))
         syncs.append(sum(res.node_sync[n] for n in names))
-    hop = max((_segment_input(graph, ctx, i) for i in starts[1:]), default=0.0)
+    hop = max((segment_input(graph, ctx, i) for i in starts[1:]), default=0.0)
     p2p = 2 * (len(starts) - 1) * send_recv(hop, 2, setup.cluster.link(2, tp))
     step = (nmicros + len(starts) - 1) * max(stage_times) + p2p + max(syncs)
     step += fixed_costs(graph, setup, ctx, nmicros, len(starts))

@@ -3,16 +3,13 @@ configuration it scores, dozens of times."""
 
 from __future__ import annotations
 
-from nnscaler.graph.ir import Graph
+from nnscaler.graph.ir import Graph, graph_fact
 
 __all__ = ["graph_memo"]
 
 
 def graph_memo(graph: Graph) -> dict:
-    """A dict kept on the graph for such facts (node choices, layer folds, the dataflow and its cuts,
-    the tp policy's splits). Kept with the node count: a graph that gains or loses nodes starts afresh."""
-    cached = getattr(graph, "_autodist_memo", None)
-    if cached is None or cached[0] != len(graph.nodes):
-        cached = (len(graph.nodes), {})
-        graph._autodist_memo = cached
-    return cached[1]
+    """A dict for such facts (node choices, layer folds, the dataflow and its cuts, the tp policy's
+    splits), one per graph object and kept outside it (nnscaler.graph.ir.facts): a different graph,
+    even one with as many nodes, starts afresh."""
+    return graph_fact(graph, "autodist", lambda _: {})

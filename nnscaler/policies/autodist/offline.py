@@ -8,9 +8,11 @@ from dataclasses import dataclass, replace
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
+from nnscaler.policies.autodist.candidate import Candidate
 from nnscaler.policies.autodist.cluster import ClusterSpec
+from nnscaler.policies.autodist.context import PlannerSetup
 from nnscaler.policies.autodist.policy import plan_from_candidate, planner_setup
-from nnscaler.policies.autodist.search import Candidate, PlannerSetup, divisors, micro_options, search
+from nnscaler.policies.autodist.search import divisors, micro_options, search
 from nnscaler.policies.plan import Plan
 
 __all__ = ["OfflinePlan", "plan_offline"]

@@ -8,12 +8,14 @@ from dataclasses import replace
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
+from nnscaler.policies.autodist.candidate import Candidate
 from nnscaler.policies.autodist.cluster import ClusterSpec, LinkSpec, load_cluster
 from nnscaler.policies.autodist.constraints import PartitionConstraints, load_constraints
+from nnscaler.policies.autodist.context import PlannerSetup, mesh_for
 from nnscaler.policies.autodist.cost import traced_batch_size
 from nnscaler.policies.autodist.memory import MemoryModel
-from nnscaler.policies.autodist.planio import load_plan, save_plan
-from nnscaler.policies.autodist.search import Candidate, PlannerSetup, mesh_for, search
+from nnscaler.policies.autodist.plan_files import load_plan, save_plan
+from nnscaler.policies.autodist.search import search
 from nnscaler.policies.options import AutodistOptions
 from nnscaler.policies.plan import NodePlan, PipelinePlan, Plan
 from nnscaler.policies.recompute import recompute_paths

@@ -2,8 +2,10 @@
 of its candidate splits, into a small JSON database; the cost model uses a measured time where it has
 one and the analytic roofline elsewhere (pas_config['profile_db_path']).
 
-    db = profile_graph(graph, ways=(1, 2))
+    db = profile_graph(graph, ways=(1, 2))      # or profile_module(model, dummy_inputs, ways=(1, 2))
     db.save("ops_cpu.json")
+
+`python -m nnscaler.profiler` (nnscaler.cli.profile) does the same for a model builder from the command line.
 
 Ops whose local code is not the op on local shards (views with shape arguments, specials) and ops
 that fail to run on random inputs are left to the analytic model.
@@ -20,16 +22,26 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from nnscaler.graph.capture import capture
 from nnscaler.graph.ir import Graph, Node, Ref, map_refs
 from nnscaler.graph.ops import annotate_node, get_rule, layouts_for, mesh_layouts_for
 from nnscaler.policies.autodist.choices import _local_shapes, _plans, op_key, tensor_refs
 from nnscaler.policies.autodist.cluster import LinkSpec
 from nnscaler.policies.autodist.cost import is_free_op
 
-__all__ = ["ProfileDB", "op_key", "local_shapes", "profile_graph", "profile_link", "fit_link"]
+__all__ = [
+    "ProfileDB",
+    "op_key",
+    "local_shapes",
+    "profile_graph",
+    "profile_module",
+    "profile_link",
+    "fit_link",
+]
 
 
 @dataclass
@@ -175,8 +187,8 @@ def _per_op_and_rest(op, repeats: int, device: torch.device) -> tuple[float, flo
 def _harness_overhead(repeats: int, device: torch.device) -> float:
     """Seconds the timing harness adds around an op (the forward call, the loss, starting the backward
     pass). On a CPU, where the host runs the ops, without the op's own: a cheap op's dispatch is a
-    real part of what every entry measures (taken out with the harness, it left a tiny model's ops
-    about 17 us each short here). On an asynchronous device (CUDA) the host's dispatch of an op
+    real part of what every entry measures (taken out with the harness, it left each of a tiny model's
+    ops short by that dispatch). On an asynchronous device (CUDA) the host's dispatch of an op
     overlaps the kernels queued before it, so the device's time is the measure: the harness is taken
     out with the cheap op's dispatch, as before."""
     per_op, rest = _per_op_and_rest(lambda t: t * 1.0, repeats, device)
@@ -277,6 +289,21 @@ def profile_graph(
     return db
 
 
+def profile_module(
+    module: torch.nn.Module,
+    dummy_forward_args: dict[str, Any],
+    ways: tuple[int, ...] = (1,),
+    repeats: int = 5,
+    device: str | torch.device | None = None,
+    db: ProfileDB | None = None,
+) -> ProfileDB:
+    """Trace `module(**dummy_forward_args)` (its own train/eval mode) and time every op at the local
+    shapes of its candidate splits over each of `ways` devices, on `device` (default: CUDA where
+    there is one, else the CPU). The module's weights are not used: ops run on random inputs."""
+    graph = capture(module, dummy_forward_args, both_modes=False)
+    return profile_graph(graph, ways=ways, repeats=repeats, db=db, device=device)
+
+
 def fit_link(samples: list[tuple[float, float]], p: int) -> LinkSpec:
     """The LinkSpec whose ring all-reduce time best fits (bytes, seconds) samples over `p` devices
     (least squares on t = 2(p-1) alpha + 2(p-1)/p bytes / beta)."""
@@ -303,7 +330,7 @@ def profile_link(
 
     The all-reduces are timed as a step meets them: one after another, each after a little compute
     (whose own time is taken off), not each from a barrier. On gloo over a shared CPU machine such
-    chains cost 2 to 4 times what barrier-started all-reduces do (the ranks drift apart and each
+    chains cost several times what barrier-started all-reduces do (the ranks drift apart and each
     collective waits for the later one and wakes its threads up), and the steps are made of chains.
     """
     import torch.distributed as dist

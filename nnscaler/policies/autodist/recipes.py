@@ -8,16 +8,11 @@ from dataclasses import dataclass, replace
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
+from nnscaler.policies.autodist.candidate import Candidate
+from nnscaler.policies.autodist.context import PlannerSetup, stage_context, transient_bytes
 from nnscaler.policies.autodist.evaluate import evaluate_nodes
 from nnscaler.policies.autodist.layers import layer_instances
-from nnscaler.policies.autodist.search import (
-    Candidate,
-    PlannerSetup,
-    _ctx,
-    _transient,
-    divisors,
-    micro_options,
-)
+from nnscaler.policies.autodist.search import divisors, micro_options
 from nnscaler.policies.staging import balanced_starts
 from nnscaler.policies.tp import pas_tp
 
@@ -47,7 +42,7 @@ def _options(setup: PlannerSetup, dp: int, nmicros: int, pp: int) -> list[int]:
 
 def _fit(graph: Graph, s: PlannerSetup, nodes, pp: int, starts, m: int, layers: tuple[str, ...]):
     """The recipe as it is, or with every layer recomputed when that is what makes it fit."""
-    transient = _transient(graph, _ctx(s, s.plan_ngpus // pp), s)
+    transient = transient_bytes(graph, stage_context(s, s.plan_ngpus // pp), s)
     cand = evaluate_nodes(graph, s, nodes, pp=pp, starts=starts, nmicros=m)
     if cand.memory + transient <= s.mem_limit or not layers:
         return cand, cand.memory + transient <= s.mem_limit, ""

@@ -8,11 +8,12 @@ from pathlib import Path
 
 from nnscaler.config import ComputeConfig
 from nnscaler.graph.ir import Graph
+from nnscaler.policies.autodist.candidate import Candidate
+from nnscaler.policies.autodist.context import PlannerSetup
 from nnscaler.policies.autodist.evaluate import evaluate_plan
 from nnscaler.policies.autodist.layers import layer_instances
 from nnscaler.policies.autodist.policy import planner_setup
 from nnscaler.policies.autodist.recipes import standard_recipes
-from nnscaler.policies.autodist.search import Candidate, PlannerSetup
 from nnscaler.policies.plan import Plan
 
 __all__ = ["plan_report", "plan_report_text", "write_plan_report", "REPORT_NAME"]

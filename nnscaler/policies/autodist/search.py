@@ -5,100 +5,28 @@ from the SPMD search."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
+from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
-from nnscaler.policies.autodist.cluster import ClusterSpec
-from nnscaler.policies.autodist.comm import all_gather, send_recv
-from nnscaler.policies.autodist.constraints import PartitionConstraints
-from nnscaler.policies.autodist.cost import CostContext
-from nnscaler.policies.autodist.dataflow import crossing_values
+from nnscaler.policies.autodist.candidate import Candidate
+from nnscaler.policies.autodist.comm import send_recv
+from nnscaler.policies.autodist.context import (
+    PlannerSetup,
+    fixed_costs,
+    segment_input,
+    stage_context,
+    transient_bytes,
+)
+from nnscaler.policies.autodist.evaluate import evaluate_nodes
 from nnscaler.policies.autodist.layers import layer_instances
 from nnscaler.policies.autodist.memo import graph_memo
-from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.autodist.pipeline_dp import stage_dp
-from nnscaler.policies.autodist.spmd import SpmdResult, solve_spmd
-from nnscaler.runtime.grads.buckets import DEFAULT_BUCKET_CAP_MB
+from nnscaler.policies.autodist.spmd import solve_spmd
+from nnscaler.policies.tp import pas_tp
 
-__all__ = ["PlannerSetup", "Candidate", "search", "divisors", "fixed_costs"]
-
-
-@dataclass(frozen=True)
-class PlannerSetup:
-    """Everything the search needs besides the graph."""
-
-    cluster: ClusterSpec
-    plan_ngpus: int
-    dp_size: int = 1
-    memory: MemoryModel = field(default_factory=MemoryModel)
-    mem_limit: float = math.inf
-    """Bytes per device."""
-    constraints: PartitionConstraints = field(default_factory=PartitionConstraints)
-    recompute: tuple[str, ...] = ()
-    """Module paths the user asked to recompute (pas_config recompute_modules)."""
-    pivots: tuple[str, ...] | None = None
-    training: bool = True
-    compute_dtype: str | None = None
-    traced_batch: int = 0
-    solver: str = "auto"
-    end2end: bool = False
-    nstages: int | None = None
-    """Pipeline stages: None searches (1 = no pipeline)."""
-    nmicros: int | None = None
-    """Micro-batches per step: None searches (1 without a pipeline)."""
-    batch_scale: float = 1.0
-    """Micro-batch size relative to the traced batch (recipes over fewer replicas take bigger batches)."""
-    max_tp: int | None = None
-    """Largest tensor-parallel degree to consider (offline planning: the devices of one node)."""
-    global_batch: bool = False
-    """Offline planning: the traced batch is the whole step's batch, shared by dp replicas x nmicros
-    micro-batches (batch_scale = 1 / (dp x nmicros)); otherwise it is one micro-batch of one replica."""
-    measured: dict[str, float] | None = None
-    tp_mesh: str | tuple[int, ...] = "auto"
-    """2-D splits: the mesh of a stage's tensor-parallel devices, 'auto' or 'off' (see mesh_for)."""
-    """Measured op times (pas_config['profile_db_path']), overriding the analytic ones where present."""
-    step_overhead: float = 0.0
-    """Seconds one device spends per micro-batch outside its ops (the backward pass's start, the
-    module's call), measured by the profiler; 0 without a measured database."""
-    free_op: float = 0.0
-    """Seconds of an op that moves no data (a view), measured by the profiler; 0 without a database."""
-    bucket_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20
-    """Gradient bucket size of the data-parallel sync (each bucket pays the collective's latency)."""
-
-
-@dataclass
-class Candidate:
-    """One scored configuration of the plan devices."""
-
-    pp: int
-    tp: int
-    nmicros: int
-    recompute: bool
-    step_time: float
-    """Seconds per step of `nmicros` micro-batches."""
-    memory: float
-    """Bytes on the fullest device."""
-    spmd: SpmdResult
-    starts: list[int] = field(default_factory=list)
-    """Node index where each pipeline stage starts (pp > 1)."""
-    stage_times: list[float] = field(default_factory=list)
-    recompute_paths: tuple[str, ...] = ()
-    zero: int = 0
-    """ZeRO stage the candidate was costed with (shown in its label when not 0)."""
-    origin: str = "ilp"
-    """'ilp': the searched partition; 'megatron': the tp policy's layout, kept where the model scores it
-    better (the ILP works on folded layers and per-edge costs, so a hand-made layout can edge it out)."""
-
-    @property
-    def time_per_micro(self) -> float:
-        return self.step_time / self.nmicros
-
-    def label(self) -> str:
-        rc = ", recompute" if self.recompute else ""
-        seed = ", megatron layout" if self.origin == "megatron" else ""
-        zero = f", zero{self.zero}" if self.zero else ""
-        return f"pp={self.pp} tp={self.tp} nmicros={self.nmicros}{rc}{seed}{zero}"
+__all__ = ["search", "divisors", "micro_options"]
 
 
 def divisors(n: int) -> list[int]:
@@ -114,63 +42,10 @@ def micro_options(setup: PlannerSetup, dp: int) -> list[int]:
     return [m for m in (1, 4, 16, 64) if m * dp <= batch] or [1]
 
 
-def mesh_for(setup: PlannerSetup, ways: int, pipelined: bool = False) -> tuple[int, ...]:
-    """The 2-D mesh offered to a stage of `ways` devices: pas_config['tp_mesh'] where it has that many
-    devices; under 'auto', [2, ways / 2] for an even degree of 4 or more without pipeline stages (the
-    pipeline search solves a stage program per configuration: 2-D choices there tripled the 70B
-    search time); else () (1-D splits only)."""
-    if setup.tp_mesh == "off":
-        return ()
-    if setup.tp_mesh == "auto":
-        return (2, ways // 2) if ways >= 4 and ways % 2 == 0 and not pipelined else ()
-    mesh = tuple(setup.tp_mesh)
-    return mesh if math.prod(mesh) == ways and len(mesh) == 2 and min(mesh) > 1 else ()
-
-
-def _ctx(setup: PlannerSetup, ways: int, pipelined: bool = False) -> CostContext:
-    return CostContext(
-        setup.cluster,
-        ways=ways,
-        dp_size=setup.dp_size,
-        dp_stride=setup.plan_ngpus,
-        training=setup.training,
-        compute_dtype=setup.compute_dtype,
-        traced_batch=setup.traced_batch,
-        batch_scale=setup.batch_scale,
-        measured=setup.measured,
-        free_op=setup.free_op,
-        mesh=mesh_for(setup, ways, pipelined),
-    )
-
-
-def _transient(graph: Graph, ctx: CostContext, setup: PlannerSetup) -> float:
-    memo = graph_memo(graph).setdefault("largest_value", {})
-    key = (ctx.batch_scale, ctx.traced_batch, ctx.compute_dtype)
-    if key not in memo:
-        memo[key] = max(
-            (ctx.value_bytes(graph, v) for v in graph.values if graph.values[v].meta), default=0.0
-        )
-    return setup.memory.transient_mem_coef * memo[key] / max(ctx.ways, 1)
-
-
-def fixed_costs(graph: Graph, setup: PlannerSetup, ctx: CostContext, nmicros: int, stages: int = 1) -> float:
-    """Seconds per step that do not belong to one op: the per-micro-batch overhead on the critical
-    path ((nmicros + stages - 1) slots of a pipeline), the latency of the gradient buckets, and the
-    runtime's check that the ranks of a plan got inputs of one shape (an all-gather of one int64 per
-    forward call, or per train_step of a pipeline; runtime/preflight.py)."""
-    weight_bytes = sum(
-        ctx.value_bytes(graph, name) for name, v in graph.values.items() if v.kind == "param"
-    ) / max(ctx.ways * stages, 1)
-    latency = setup.memory.grad_sync_latency(weight_bytes, ctx, setup.bucket_bytes)
-    checks = nmicros if stages == 1 else 1
-    check = all_gather(8.0 * setup.plan_ngpus, setup.plan_ngpus, setup.cluster.link(setup.plan_ngpus))
-    return (nmicros + stages - 1) * setup.step_overhead + latency + checks * check
-
-
 def _spmd_candidate(graph: Graph, setup: PlannerSetup, layer_paths: tuple[str, ...]) -> Candidate:
-    ctx = _ctx(setup, setup.plan_ngpus)
+    ctx = stage_context(setup, setup.plan_ngpus)
     m = setup.nmicros or 1
-    limit = setup.mem_limit - _transient(graph, ctx, setup)
+    limit = setup.mem_limit - transient_bytes(graph, ctx, setup)
     tries = [(False, setup.recompute)]
     if not setup.recompute and layer_paths and setup.training:
         tries.append((True, layer_paths))
@@ -213,9 +88,9 @@ def _pipeline_candidates(
             continue
         if setup.max_tp is not None and tp > setup.max_tp:
             continue
-        ctx = _ctx(setup, tp, pipelined=True)
-        limit = setup.mem_limit - _transient(graph, ctx, setup)
-        kept_inputs = sum(_segment_input(graph, ctx, i) for i in seg_starts)  # stage 0's, all in flight
+        ctx = stage_context(setup, tp, pipelined=True)
+        limit = setup.mem_limit - transient_bytes(graph, ctx, setup)
+        kept_inputs = sum(segment_input(graph, ctx, i) for i in seg_starts)  # stage 0's, all in flight
         for rc in [bool(setup.recompute)] if setup.recompute else [False, True]:
             own_rc = rc and not setup.recompute
             ilp_limit = limit - (kept_inputs if own_rc else 0.0)
@@ -238,12 +113,6 @@ def _pipeline_candidates(
     return out
 
 
-def _segment_input(graph: Graph, ctx: CostContext, index: int) -> float:
-    """Bytes per device of the activations entering the segment that starts at node `index` (all that
-    cross the cut: the hidden state, skip connections, rotary tables, inputs read later)."""
-    return sum(ctx.value_bytes(graph, r) for r in crossing_values(graph, index)) / ctx.ways
-
-
 def _score_pipeline(graph, setup, res, ctx, pp, rc, limit, seg_starts, layer_paths) -> list[Candidate]:
     """Stage boundaries and the whole-step time of one (pp, tp, recompute) for each micro-batch count."""
     tp, nseg = ctx.ways, len(seg_starts)
@@ -255,7 +124,7 @@ def _score_pipeline(graph, setup, res, ctx, pp, rc, limit, seg_starts, layer_pat
         seg_act.append(sum(res.choice[n].activation_bytes for n in names))
         seg_param.append(sum(res.node_memory[n] - res.choice[n].activation_bytes for n in names))
         seg_sync.append(sum(res.node_sync[n] for n in names))
-        seg_in.append(_segment_input(graph, ctx, bounds[k]))
+        seg_in.append(segment_input(graph, ctx, bounds[k]))
     own_rc = rc and not setup.recompute
     times = [t * 4.0 / 3.0 for t in seg_time] if (own_rc or setup.recompute) else seg_time
     acts = seg_in if own_rc else seg_act
@@ -282,10 +151,6 @@ def _score_pipeline(graph, setup, res, ctx, pp, rc, limit, seg_starts, layer_pat
 
 def _megatron_alternatives(graph: Graph, setup: PlannerSetup, scored: list[Candidate]) -> list[Candidate]:
     """The tp policy's layout in the best configuration of each (pp, tp): kept if it fits."""
-    from nnscaler.config import ComputeConfig
-    from nnscaler.policies.autodist.evaluate import evaluate_nodes
-    from nnscaler.policies.tp import pas_tp
-
     best: dict[tuple[int, int], Candidate] = {}
     for c in scored:
         key = (c.pp, c.tp)

@@ -9,7 +9,6 @@ or 'idx_size1 // 2'); sympy reads them so that
 
 from __future__ import annotations
 
-import copy
 import functools
 from dataclasses import replace
 
@@ -49,15 +48,13 @@ def symbolic_shape(meta: TensorMeta, symbols: dict[str, sympy.Symbol]) -> tuple:
 
 
 def _with_shapes(graph: Graph, shape_of) -> Graph:
-    """A copy of `graph` whose tensor metas have the shapes `shape_of(meta)` (nodes are shared)."""
-    out = copy.copy(graph)
-    for key in [k for k in vars(out) if k.startswith(("_autodist", "_consumer"))]:
-        delattr(out, key)  # caches of the original's searches: keyed on node counts, not shapes
-    out.values = {
+    """A new graph like `graph` whose tensor metas have the shapes `shape_of(meta)` (nodes are shared;
+    facts cached for the original are not, being per graph object)."""
+    values = {
         name: (replace(v, meta=replace(v.meta, shape=shape_of(v.meta))) if v.meta is not None else v)
         for name, v in graph.values.items()
     }
-    return out
+    return replace(graph, values=values)
 
 
 def flops_expr(graph: Graph) -> sympy.Expr:

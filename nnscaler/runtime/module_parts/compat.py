@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nnscaler.runtime.checkpoint.files import atomic_save
+
 __all__ = ["ModuleCompatMixin", "ParamsInfo"]
 
 
@@ -27,14 +29,6 @@ class ParamsInfo:
     """What the optimizer steps for them (this rank's slices under ZeRO)."""
     param_names: list[str]
     zero_ngroups: int
-
-
-def _save(obj: Any, path: str) -> None:
-    """torch.save to `path` atomically: a crash leaves the previous file or none, never half of one.
-    (The runtime cannot use the compiler's codegen/atomic.py: it imports only torch and config.)"""
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 class ModuleCompatMixin:
@@ -85,7 +79,7 @@ class ModuleCompatMixin:
         prefix = "dist_checkpoint" if filename_prefix is None else filename_prefix
         state, dist_map, area, opt = self.get_checkpoint(optimizer)
         path = f"{prefix}-{self.rank}.ckpt"  # type: ignore[attr-defined]
-        _save(
+        atomic_save(
             {
                 "state_dict": state,
                 "dist_param_map": dist_map,
@@ -116,5 +110,5 @@ class ModuleCompatMixin:
             [c["state_dict"] for c in ckpts], opts if all(o is not None for o in opts) else None
         )
         path = f"{filename_prefix}.full.ckpt"
-        _save({"state_dict": model, "optim_state_dict": opt}, path)
+        atomic_save({"state_dict": model, "optim_state_dict": opt}, path)
         return path

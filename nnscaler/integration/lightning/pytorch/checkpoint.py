@@ -3,8 +3,9 @@
 optimizer), written atomically, and merged into one single-device Lightning checkpoint.
 
 The directory is written as `<name>.tmp` by every rank and renamed by rank 0 once all are done, so
-`<name>` is either absent, the previous checkpoint, or complete. (The CLI Trainer's checkpoint
-writer does the same; the two packages are independent layers, hence this short twin.)
+`<name>` is either absent, the previous checkpoint, or complete. The writing, reading and merging are
+the runtime's (nnscaler.runtime.checkpoint), as for the CLI Trainer; this module keeps Lightning's
+layout: the file names and which entries of Lightning's dict hold the state dicts.
 """
 
 from __future__ import annotations
@@ -14,30 +15,30 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from nnscaler.runtime.checkpoint import merge_state_dicts
+from nnscaler.runtime.checkpoint.files import atomic_save, load_file, write_rank_dir
 
-from nnscaler.runtime import merge_state_dicts
+__all__ = [
+    "META_KEY",
+    "rank_file",
+    "saved_state_dict_type",
+    "write_rank_checkpoint",
+    "read_rank_checkpoint",
+    "merge_checkpoint_files",
+]
 
-__all__ = ["rank_file", "write_rank_checkpoint", "read_rank_checkpoint", "merge_checkpoint_files"]
+META_KEY = "nnscaler"
+"""Entry of a rank's Lightning checkpoint dict with the strategy's metadata: `state_dict_type`, `rank`
+(dropped from a merged checkpoint, which any plain LightningModule loads)."""
 
 
 def rank_file(directory: str | os.PathLike, rank: int) -> Path:
     return Path(directory) / f"rank{rank}.ckpt"
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.part")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def saved_state_dict_type(checkpoint: dict[str, Any]) -> str | None:
+    """The `state_dict_type` a rank's checkpoint dict was saved with (None: not by the strategy)."""
+    return checkpoint.get(META_KEY, {}).get("state_dict_type")
 
 
 def write_rank_checkpoint(checkpoint: dict[str, Any], directory: str | os.PathLike, rank: int) -> Path:
@@ -46,21 +47,8 @@ def write_rank_checkpoint(checkpoint: dict[str, Any], directory: str | os.PathLi
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    _save(checkpoint, rank_file(tmp, rank))
-    _barrier()
-    if rank == 0:
-        if final.exists():
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    _barrier()
-    return final
+    files = {rank_file(tmp, rank).name: checkpoint}
+    return write_rank_dir(final, tmp, final.with_name(final.name + ".old"), rank, files)
 
 
 def read_rank_checkpoint(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, Any]:
@@ -77,7 +65,7 @@ def read_rank_checkpoint(directory: str | os.PathLike, rank: int, world_size: in
             "with the ComputeConfig it was saved with, or merge it (NnScalerStrategy.merge_checkpoint) and "
             "load the merged weights"
         )
-    return torch.load(rank_file(path, rank), map_location="cpu", weights_only=False)
+    return load_file(rank_file(path, rank))
 
 
 def merge_checkpoint_files(checkpoint_files: list[str | os.PathLike], output_file: str | os.PathLike) -> None:
@@ -89,7 +77,7 @@ def merge_checkpoint_files(checkpoint_files: list[str | os.PathLike], output_fil
         paths.extend(sorted(f.glob("rank*.ckpt"), key=lambda p: int(p.stem[4:])) if f.is_dir() else [f])
     if not paths:
         raise ValueError(f"merge_checkpoint: no rank files in {[str(f) for f in checkpoint_files]}")
-    ranks = [torch.load(p, map_location="cpu", weights_only=False) for p in paths]
+    ranks = [load_file(p) for p in paths]
     has_opt = all(r.get("optimizer_states") for r in ranks)
     model, opt = merge_state_dicts(
         [r["state_dict"] for r in ranks], [r["optimizer_states"][0] for r in ranks] if has_opt else None
@@ -97,7 +85,7 @@ def merge_checkpoint_files(checkpoint_files: list[str | os.PathLike], output_fil
     merged = dict(ranks[0])
     merged["state_dict"] = model
     merged["optimizer_states"] = [opt] if has_opt else []
-    merged.pop("nnscaler", None)
+    merged.pop(META_KEY, None)
     out = Path(output_file)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _save(merged, out)
+    atomic_save(merged, out)

@@ -27,15 +27,27 @@ from lightning.pytorch.trainer.states import TrainerFn
 import nnscaler
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import ConfigError
-from nnscaler.integration.lightning.pytorch import checkpoint as ckpt
-from nnscaler.runtime import deduped_state_dict, load_deduped_state_dict
+from nnscaler.integration.lightning.pytorch.checkpoint import (
+    META_KEY,
+    merge_checkpoint_files,
+    read_rank_checkpoint,
+    saved_state_dict_type,
+    write_rank_checkpoint,
+)
+from nnscaler.runtime.checkpoint.save_types import (
+    DEDUPED,
+    PER_RANK_SAVE_TYPES,
+    load_local_state_dicts,
+    local_state_dicts,
+)
 from nnscaler.runtime.dist.groups import create_groups, get_group
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.optimizer import attach_optimizer
 
 __all__ = ["NnScalerStrategy"]
 
-STATE_DICT_TYPES = ("sharded", "deduped")
+STATE_DICT_TYPES = PER_RANK_SAVE_TYPES
+"""'sharded' and 'deduped', the runtime's save types of which every rank writes its own file."""
 
 
 class NnScalerStrategy(DDPStrategy):
@@ -227,31 +239,31 @@ class NnScalerStrategy(DDPStrategy):
         return self.parallel_module.state_dict()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if self.state_dict_type == "deduped":
-            model, opt = deduped_state_dict(
-                self.parallel_module, self.optimizers[0] if self.optimizers else None
-            )
+        if self.state_dict_type == DEDUPED:
+            optimizer = self.optimizers[0] if self.optimizers else None
+            model, opt = local_state_dicts(self.parallel_module, optimizer, DEDUPED)
             checkpoint["state_dict"] = model
             checkpoint["optimizer_states"] = [opt] if opt is not None else []
-        checkpoint["nnscaler"] = {"state_dict_type": self.state_dict_type, "rank": self.global_rank}
-        ckpt.write_rank_checkpoint(checkpoint, filepath, self.global_rank)
+        checkpoint[META_KEY] = {"state_dict_type": self.state_dict_type, "rank": self.global_rank}
+        write_rank_checkpoint(checkpoint, filepath, self.global_rank)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        return ckpt.read_rank_checkpoint(checkpoint_path, self.global_rank, self.world_size)
+        return read_rank_checkpoint(checkpoint_path, self.global_rank, self.world_size)
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         if self.parallel_module is None:  # Lightning restores weights before it sets the strategy up
             self._parallelize(self.lightning_module.trainer)
-        if checkpoint.get("nnscaler", {}).get("state_dict_type") == "deduped":
-            load_deduped_state_dict(self.parallel_module, checkpoint["state_dict"])
+        if saved_state_dict_type(checkpoint) == DEDUPED:
+            load_local_state_dicts(self.parallel_module, DEDUPED, checkpoint["state_dict"])
         else:
             self.parallel_module.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        if checkpoint.get("nnscaler", {}).get("state_dict_type") == "deduped":
+        if saved_state_dict_type(checkpoint) == DEDUPED:
             states = checkpoint["optimizer_states"]
-            load_deduped_state_dict(
+            load_local_state_dicts(
                 self.parallel_module,
+                DEDUPED,
                 checkpoint["state_dict"],
                 self.optimizers[0],
                 states[0] if states else None,
@@ -268,7 +280,7 @@ class NnScalerStrategy(DDPStrategy):
     @staticmethod
     def merge_checkpoint(checkpoint_files: list[Any], output_file: Any) -> None:
         """Rank files of one checkpoint (or its directory) -> one single-device Lightning checkpoint."""
-        ckpt.merge_checkpoint_files(checkpoint_files, output_file)
+        merge_checkpoint_files(checkpoint_files, output_file)
 
 
 def _register() -> None:

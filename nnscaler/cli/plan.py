@@ -1,56 +1,23 @@
-"""`python -m nnscaler.plan`: plan a model for a described cluster and print the report, without
-compiling code (offline planning for a cluster you do not have).
+"""The planning command, `python -m nnscaler.plan`: plan a model for a described cluster and print
+the report, without compiling code (offline planning for a cluster you do not have).
 
     python -m nnscaler.plan --model tests.zoo.build_llama --cluster h100x8
     python -m nnscaler.plan --hf-config llama70b.json --seq 8192 --cluster h100x64_ib --bf16
     python -m nnscaler.plan --model tests.zoo.build_gpt --cluster h100x8 --at idx_size0=16,targets_size0=16
 
-`--model` names a builder: a callable returning an nn.Module, or (module, dummy_kwargs), or
-(module, make_batch) with make_batch(seed, batch_size) -> kwargs. `--hf-config` builds a
-transformers causal LM from a config.json on the meta device (no weights are allocated).
+`--model` and `--hf-config` are read by `nnscaler.cli.model_builder`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import sys
 from pathlib import Path
 
-import torch
-
+from nnscaler.cli.model_builder import build_model
 from nnscaler.graph.capture import capture
 
-__all__ = ["build_model", "main"]
-
-
-def _resolve(spec: str):
-    module, _, name = spec.replace(":", ".").rpartition(".")
-    if not module:
-        raise SystemExit(f"--model {spec!r}: give a dotted path 'package.module.builder'")
-    return getattr(importlib.import_module(module), name)
-
-
-def build_model(spec: str | None, hf_config: str | None, batch: int, seq: int):
-    """(module, dummy forward kwargs) from a builder or a Hugging Face config file."""
-    if hf_config:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        data = json.loads(Path(hf_config).read_text())
-        config = AutoConfig.for_model(data.pop("model_type"), **data)
-        config.use_cache = False
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-        return model.train(), {"input_ids": ids, "labels": ids}
-    out = _resolve(spec)()
-    if isinstance(out, torch.nn.Module):
-        raise SystemExit("--model returned a module without inputs: return (module, dummy_kwargs)")
-    module, inputs = out
-    if callable(inputs):
-        inputs = inputs(0, batch)
-    return module, inputs
+__all__ = ["main"]
 
 
 def _parse_sizes(spec: str) -> dict[str, int]:
@@ -86,7 +53,7 @@ def _at_sizes(graph, result, specs: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     from nnscaler.policies.autodist import load_cluster
     from nnscaler.policies.autodist.offline import plan_offline
-    from nnscaler.policies.autodist.planio import save_plan
+    from nnscaler.policies.autodist.plan_files import save_plan
     from nnscaler.policies.autodist.report import plan_report
 
     p = argparse.ArgumentParser(prog="python -m nnscaler.plan", description=__doc__.split("\n\n")[0])

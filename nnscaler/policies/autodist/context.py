@@ -1,0 +1,125 @@
+"""The planner's inputs (PlannerSetup) and what every scorer (search.py, evaluate.py, recipes.py)
+derives from them: the cost context of a stage, its transient memory, the costs that belong to no op,
+and the bytes that enter a pipeline segment."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from nnscaler.graph.ir import Graph
+from nnscaler.policies.autodist.cluster import ClusterSpec
+from nnscaler.policies.autodist.comm import all_gather
+from nnscaler.policies.autodist.constraints import PartitionConstraints
+from nnscaler.policies.autodist.cost import CostContext
+from nnscaler.policies.autodist.dataflow import crossing_values
+from nnscaler.policies.autodist.memo import graph_memo
+from nnscaler.policies.autodist.memory import MemoryModel
+from nnscaler.runtime.grads.buckets import DEFAULT_BUCKET_CAP_MB
+
+__all__ = ["PlannerSetup", "mesh_for", "stage_context", "transient_bytes", "fixed_costs", "segment_input"]
+
+
+@dataclass(frozen=True)
+class PlannerSetup:
+    """Everything the search needs besides the graph."""
+
+    cluster: ClusterSpec
+    plan_ngpus: int
+    dp_size: int = 1
+    memory: MemoryModel = field(default_factory=MemoryModel)
+    mem_limit: float = math.inf
+    """Bytes per device."""
+    constraints: PartitionConstraints = field(default_factory=PartitionConstraints)
+    recompute: tuple[str, ...] = ()
+    """Module paths the user asked to recompute (pas_config recompute_modules)."""
+    pivots: tuple[str, ...] | None = None
+    training: bool = True
+    compute_dtype: str | None = None
+    traced_batch: int = 0
+    solver: str = "auto"
+    end2end: bool = False
+    nstages: int | None = None
+    """Pipeline stages: None searches (1 = no pipeline)."""
+    nmicros: int | None = None
+    """Micro-batches per step: None searches (1 without a pipeline)."""
+    batch_scale: float = 1.0
+    """Micro-batch size relative to the traced batch (recipes over fewer replicas take bigger batches)."""
+    max_tp: int | None = None
+    """Largest tensor-parallel degree to consider (offline planning: the devices of one node)."""
+    global_batch: bool = False
+    """Offline planning: the traced batch is the whole step's batch, shared by dp replicas x nmicros
+    micro-batches (batch_scale = 1 / (dp x nmicros)); otherwise it is one micro-batch of one replica."""
+    measured: dict[str, float] | None = None
+    """Measured op times (pas_config['profile_db_path']), overriding the analytic ones where present."""
+    tp_mesh: str | tuple[int, ...] = "auto"
+    """2-D splits: the mesh of a stage's tensor-parallel devices, 'auto' or 'off' (see mesh_for)."""
+    step_overhead: float = 0.0
+    """Seconds one device spends per micro-batch outside its ops (the backward pass's start, the
+    module's call), measured by the profiler; 0 without a measured database."""
+    free_op: float = 0.0
+    """Seconds of an op that moves no data (a view), measured by the profiler; 0 without a database."""
+    bucket_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20
+    """Gradient bucket size of the data-parallel sync (each bucket pays the collective's latency)."""
+
+
+def mesh_for(setup: PlannerSetup, ways: int, pipelined: bool = False) -> tuple[int, ...]:
+    """The 2-D mesh offered to a stage of `ways` devices: pas_config['tp_mesh'] where it has that many
+    devices; under 'auto', [2, ways / 2] for an even degree of 4 or more without pipeline stages (the
+    pipeline search solves a stage program per configuration, and 2-D choices multiply the size of
+    each); else () (1-D splits only)."""
+    if setup.tp_mesh == "off":
+        return ()
+    if setup.tp_mesh == "auto":
+        return (2, ways // 2) if ways >= 4 and ways % 2 == 0 and not pipelined else ()
+    mesh = tuple(setup.tp_mesh)
+    return mesh if math.prod(mesh) == ways and len(mesh) == 2 and min(mesh) > 1 else ()
+
+
+def stage_context(setup: PlannerSetup, ways: int, pipelined: bool = False) -> CostContext:
+    """The cost context of a stage of `ways` tensor-parallel devices (`pipelined`: one of several)."""
+    return CostContext(
+        setup.cluster,
+        ways=ways,
+        dp_size=setup.dp_size,
+        dp_stride=setup.plan_ngpus,
+        training=setup.training,
+        compute_dtype=setup.compute_dtype,
+        traced_batch=setup.traced_batch,
+        batch_scale=setup.batch_scale,
+        measured=setup.measured,
+        free_op=setup.free_op,
+        mesh=mesh_for(setup, ways, pipelined),
+    )
+
+
+def transient_bytes(graph: Graph, ctx: CostContext, setup: PlannerSetup) -> float:
+    """Bytes per device of transient buffers (communication, the largest op's workspace): a multiple of
+    the largest value of the graph (MemoryModel.transient_mem_coef); once per graph and batch."""
+    memo = graph_memo(graph).setdefault("largest_value", {})
+    key = (ctx.batch_scale, ctx.traced_batch, ctx.compute_dtype)
+    if key not in memo:
+        memo[key] = max(
+            (ctx.value_bytes(graph, v) for v in graph.values if graph.values[v].meta), default=0.0
+        )
+    return setup.memory.transient_mem_coef * memo[key] / max(ctx.ways, 1)
+
+
+def fixed_costs(graph: Graph, setup: PlannerSetup, ctx: CostContext, nmicros: int, stages: int = 1) -> float:
+    """Seconds per step that do not belong to one op: the per-micro-batch overhead on the critical
+    path ((nmicros + stages - 1) slots of a pipeline), the latency of the gradient buckets, and the
+    runtime's check that the ranks of a plan got inputs of one shape (an all-gather of one int64 per
+    forward call, or per train_step of a pipeline; runtime/dist/preflight.py)."""
+    weight_bytes = sum(
+        ctx.value_bytes(graph, name) for name, v in graph.values.items() if v.kind == "param"
+    ) / max(ctx.ways * stages, 1)
+    latency = setup.memory.grad_sync_latency(weight_bytes, ctx, setup.bucket_bytes)
+    checks = nmicros if stages == 1 else 1
+    check = all_gather(8.0 * setup.plan_ngpus, setup.plan_ngpus, setup.cluster.link(setup.plan_ngpus))
+    return (nmicros + stages - 1) * setup.step_overhead + latency + checks * check
+
+
+def segment_input(graph: Graph, ctx: CostContext, index: int) -> float:
+    """Bytes per device of the activations entering the segment that starts at node `index` (all that
+    cross the cut: the hidden state, skip connections, rotary tables, inputs read later)."""
+    return sum(ctx.value_bytes(graph, r) for r in crossing_values(graph, index)) / ctx.ways
