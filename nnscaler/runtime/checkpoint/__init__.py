@@ -2,8 +2,10 @@
 
 `formats` holds the state-dict keys and format tags every part agrees on; `load` the public
 functions (re-exported here); `merge` rebuilds single-device state dicts from per-rank pieces,
-after `checks` verified them; `keys` says which keys a module takes; `dist` broadcasts within
-data-parallel groups; `piece_meta` records who saved an optimizer state dict.
+after `checks` verified them; `keys` says which keys a module takes; `broadcast` sends weights and
+optimizer state within data-parallel groups; `piece_meta` records who saved an optimizer state
+dict; `files` writes checkpoint files and per-rank directories atomically; `save_types` saves and
+loads the per-rank kinds (sharded, deduped) that the Trainer and the Lightning strategy share.
 """
 
 from nnscaler.runtime.checkpoint.load import (

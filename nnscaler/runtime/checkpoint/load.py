@@ -16,14 +16,14 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from nnscaler.errors import CheckpointError
-from nnscaler.runtime.checkpoint.checks import metas_of, missing_metadata
-from nnscaler.runtime.checkpoint.dist import (
+from nnscaler.runtime.checkpoint.broadcast import (
     broadcast_optimizer_state,
     broadcast_weights,
     dp_first,
     optimizer_state_first,
     share_zero3_weights,
 )
+from nnscaler.runtime.checkpoint.checks import metas_of, missing_metadata
 from nnscaler.runtime.checkpoint.formats import OPTIMIZER_META_KEY, ZERO_SLICES_KEY
 from nnscaler.runtime.checkpoint.keys import check_load_keys, module_keys
 from nnscaler.runtime.checkpoint.merge import group_names as _group_names
