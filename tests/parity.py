@@ -62,7 +62,11 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any], float]] = {
     "sgd": ("SGD", {"lr": 0.1}, 1e-6),
     # bf16 / fp16 parameters with fp32 master weights and state (run with module_dtype=...): both
     # sides round to bf16 after every step, so they agree to bf16 precision only.
-    "mp_adamw": ("nnscaler.runtime.grads.mixed_precision.MixedPrecisionAdamW", {"lr": 1e-3, "eps": 1e-6}, 1e-2),
+    "mp_adamw": (
+        "nnscaler.runtime.grads.mixed_precision.MixedPrecisionAdamW",
+        {"lr": 1e-3, "eps": 1e-6},
+        1e-2,
+    ),
 }
 """Optimizers a parity run may use: name -> (torch.optim class name, or a dotted path, keyword
 arguments, default atol for parameters)."""

@@ -216,9 +216,7 @@ class AutodistOptions(PipelineOptions):
     )
     solver: Literal["auto", "cbc", "highs"] = field(
         default="auto",
-        metadata=_doc(
-            "Integer-program solver ('auto': CBC; 'highs' needs highspy)."
-        ),
+        metadata=_doc("Integer-program solver ('auto': CBC; 'highs' needs highspy)."),
     )
     tp_mesh: str | list[int] = field(
         default="auto",
