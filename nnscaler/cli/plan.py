@@ -4,6 +4,7 @@ the report, without compiling code (offline planning for a cluster you do not ha
     python -m nnscaler.plan --model tests.zoo.build_llama --cluster h100x8
     python -m nnscaler.plan --hf-config llama70b.json --seq 8192 --cluster h100x64_ib --bf16
     python -m nnscaler.plan --model tests.zoo.build_gpt --cluster h100x8 --at idx_size0=16,targets_size0=16
+    python -m nnscaler.plan --model tests.zoo.build_llama --cluster h100x8 --mesh 2x4
 
 `--model` and `--hf-config` are read by `nnscaler.cli.model_builder`.
 """
@@ -50,12 +51,26 @@ def _at_sizes(graph, result, specs: list[str]) -> str:
     return "".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from nnscaler.policies.autodist import load_cluster
-    from nnscaler.policies.autodist.offline import plan_offline
-    from nnscaler.policies.autodist.plan_files import save_plan
-    from nnscaler.policies.autodist.report import plan_report
+def _parse_mesh(spec: str) -> list[int]:
+    """'2x4' -> [2, 4] (two axes, each > 1)."""
+    try:
+        mesh = [int(v) for v in spec.lower().split("x")]
+    except ValueError:
+        mesh = []
+    if len(mesh) != 2 or min(mesh) < 2:
+        raise SystemExit(f"--mesh {spec!r}: give two axis sizes, each 2 or more, as AxB, e.g. 2x4")
+    return mesh
 
+
+def _mesh_line(result) -> str:
+    """Which mesh the plan's 2-D splits use, and what the search tried."""
+    tried = result.best.spmd.stats.get("meshes") or {}
+    costs = ", ".join(f"{m} {'infeasible' if t is None else f'{t / 1e3:.3f} ms'}" for m, t in tried.items())
+    chosen = "x".join(map(str, result.plan.mesh)) if result.plan.mesh else "none (1-D splits only)"
+    return f"\nMesh of each stage's devices: {chosen}" + (f" (searched: {costs})" if costs else "") + "\n"
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m nnscaler.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="dotted builder, e.g. tests.zoo.build_llama")
     p.add_argument("--hf-config", help="a transformers config.json (built on the meta device)")
@@ -81,6 +96,23 @@ def main(argv: list[str] | None = None) -> int:
         help="also cost the chosen plan at these input sizes without tracing again (repeatable); "
         "the size names are printed with the model's FLOPs",
     )
+    p.add_argument(
+        "--mesh",
+        type=_parse_mesh,
+        metavar="AxB",
+        help="pin the mesh of a stage's devices (pas_config['tp_mesh']; the plan size defaults to A x B); "
+        "default: searched",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from nnscaler.policies.autodist import load_cluster
+    from nnscaler.policies.autodist.offline import plan_offline
+    from nnscaler.policies.autodist.plan_files import save_plan
+    from nnscaler.policies.autodist.report import plan_report
+
+    p = _parser()
     args = p.parse_args(argv)
     if not args.model and not args.hf_config:
         p.error("give --model or --hf-config")
@@ -96,18 +128,21 @@ def main(argv: list[str] | None = None) -> int:
         pas["pipeline_nstages"] = 1
     if args.recompute:
         pas["recompute_modules"] = args.recompute
+    if args.mesh:
+        pas["tp_mesh"] = args.mesh
     pas = {k: v for k, v in pas.items() if v not in (None, False)}
     cluster = load_cluster(args.cluster)
     result = plan_offline(
         graph,
         cluster,
         args.devices,
-        plan_ngpus=args.plan_ngpus,
+        plan_ngpus=args.plan_ngpus or (args.mesh[0] * args.mesh[1] if args.mesh else None),
         end2end=not args.no_pipeline,
         pas_config=pas,
         max_plan_ngpus=args.max_plan_ngpus,
     )
     text = plan_report(graph, result.plan, result.setup, result.scored)
+    text += _mesh_line(result)
     text += f"\nPlanned in {result.seconds:.1f} s ({len(graph.nodes)} traced ops).\n"
     if args.at:
         text += _at_sizes(graph, result, args.at)

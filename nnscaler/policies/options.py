@@ -222,8 +222,8 @@ class AutodistOptions(PipelineOptions):
         default="auto",
         metadata=_doc(
             "2-D splits: a stage's tensor-parallel devices as a mesh [a, b] (a x b = the degree; axis 0 takes "
-            "a batch-like dim, axis 1 any other), 'auto' ([2, degree / 2] for an even degree of 4 or more) or "
-            "'off' (1-D splits only)."
+            "a batch-like dim, axis 1 any other), 'auto' (every a x b = the degree with a, b > 1 is solved and the "
+            "cheapest taken; none under pipeline stages) or 'off' (1-D splits only)."
         ),
     )
 

@@ -6,7 +6,8 @@ spmd_problem, spmd_program, spmd (the integer program: its data, its PuLP form, 
 context (the planner's inputs and per-stage costs), candidate (a scored configuration) -> evaluate
 (cost given plans) -> search (pipeline x tp x micro-batches x recompute, pipeline_dp: stage DP in C++)
 -> policy (`pas_autodist`, saving and loading plans with plan_files); recipes (standard recipes under the
-same model), report (plan_report.md) and offline (a whole cluster's plan) sit on top.
+same model), report (plan_report.md, with report_words: splits in words, report_reasons: why a faster
+recipe was not taken) and offline (a whole cluster's plan) sit on top.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from nnscaler.graph.ops import (
     split_candidates,
 )
 from nnscaler.policies.autodist.comm import all_reduce
-from nnscaler.policies.autodist.constraints import PartitionConstraints
+from nnscaler.policies.autodist.constraints import PartitionConstraints, unsatisfiable_error
 from nnscaler.policies.autodist.cost import CostContext, compute_time, is_free_op, local_bytes, node_flops
 from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.memory import MemoryModel
@@ -186,9 +186,12 @@ def node_choices(
     dtype = next((m.dtype for m in metas_out if m is not None), "float32")
     free = is_free_op(node, graph)
     matmul = node.op.startswith(_MATMUL_PREFIX) or "attention" in node.op or "conv" in node.op
-    options = [_with_layouts(node, refs, bound, rule, only, ctx.mesh)] if only is not None else None
     mesh = ctx.mesh
-    for plan, ins, outs in options or _options(graph, node, refs, bound, rule, ctx.ways, mesh):
+    if only is not None:
+        candidates = [_with_layouts(node, refs, bound, rule, only, mesh)]
+    else:
+        candidates = _options(graph, node, refs, bound, rule, ctx.ways, mesh)
+    for plan, ins, outs in candidates:
         if ins is None or (constraints is not None and not constraints.allows(graph, node, bound, plan)):
             continue
         ways = ctx.plan_ways(plan)
@@ -219,13 +222,23 @@ def node_choices(
         act = sum(local_bytes(b, o, ways, mesh) for b, o in zip(out_bytes, outs)) if keeps else 0.0
         mem = memory.param_state_bytes(param_local, ctx) + act * memory.activation_factor
         out.choices.append(Choice(plan, ins, outs, compute, comm, mem, sync, param_local, act))
-    if not out.choices:  # constraints forbade everything the shapes allow: replicate
+    if not out.choices and constraints:  # the rules forbid every partition the shapes allow
+        valid = [_label(plan) for plan, ins, _ in candidates if ins is not None and plan.is_split]
+        raise unsatisfiable_error(graph, node, ctx.ways, constraints, valid, bound)
+    if not out.choices:  # `only` is not valid here: replicate (build_problem reports the fixed plan)
         ins = tuple(Replicate() if m is not None else None for m in metas_in)
         compute = compute_time(flops, sum(in_bytes) + sum(out_bytes), ctx, dtype, matmul)
         out.choices.append(
             Choice(REPLICATE, ins, tuple(Replicate() for _ in node.outputs), compute, 0.0, 0.0)
         )
     return out
+
+
+def _label(plan: NodePlan) -> str:
+    """A split in words for messages: 'n', or 'b x n' for a 2-D split."""
+    if plan.mesh_splits:
+        return " x ".join(ident or "-" for ident, _ in plan.mesh_splits)
+    return str(plan.split)
 
 
 def _param_costs(

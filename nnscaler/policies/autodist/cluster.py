@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -22,6 +23,7 @@ import yaml
 
 from nnscaler.errors import ConfigError
 from nnscaler.policies.autodist.devices import DeviceSpec, get_device
+from nnscaler.policies.autodist.yaml_files import read_yaml
 
 __all__ = ["LinkSpec", "ClusterSpec", "load_cluster", "shipped_clusters"]
 
@@ -61,6 +63,14 @@ class ClusterSpec:
     def ndevices(self) -> int:
         return self.nodes * self.devices_per_node
 
+    def describe(self) -> str:
+        """ "'CPU processes over gloo' (1 node x 8 cpu, 8 GB each)" for messages."""
+        name = f"{self.name!r} " if self.name else ""
+        return (
+            f"{name}({self.nodes} node(s) x {self.devices_per_node} {self.device.name}, "
+            f"{self.device.memory_gb:g} GB each)"
+        )
+
     def link(self, group_size: int, stride: int = 1) -> LinkSpec:
         """The bottleneck link of a group of `group_size` devices `stride` apart (ranks packed by node)."""
         if (group_size - 1) * stride < self.devices_per_node:
@@ -78,7 +88,8 @@ def _link(data: object, where: str) -> LinkSpec:
         raise ConfigError(
             f"cluster field {where!r} needs {{bandwidth_gbs: <GB/s>, latency_us: <us>}}, got {data!r}"
         )
-    bw, lat = float(data["bandwidth_gbs"]), float(data.get("latency_us", 5.0))
+    bw = _number(data, "bandwidth_gbs", float, None, where)
+    lat = _number(data, "latency_us", float, 5.0, where)
     if bw <= 0 or lat < 0:
         raise ConfigError(
             f"cluster field {where!r}: bandwidth_gbs must be > 0 and latency_us >= 0, got {data!r}"
@@ -86,12 +97,28 @@ def _link(data: object, where: str) -> LinkSpec:
     return LinkSpec(bw, lat)
 
 
+def _number(data: dict, key: str, kind: type, default, where: str = ""):
+    """data[key] as an int or float (`default` where absent); ConfigError naming the field otherwise."""
+    value = data.get(key, default)
+    try:
+        if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+            raise ValueError(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        field_name = f"{where}.{key}" if where else key
+        raise ConfigError(
+            f"cluster field {field_name!r} must be {'an integer' if kind is int else 'a number'}, got {value!r}"
+        ) from None
+
+
 def cluster_from_dict(data: dict, name: str = "") -> ClusterSpec:
     """A ClusterSpec from a parsed YAML mapping (see the module docstring)."""
     known = {"name", "device", "nodes", "devices_per_node", "intra_node", "inter_node", "memory_gb"}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ConfigError(f"cluster description has unknown fields {unknown}; known: {sorted(known)}")
+        close = {u: difflib.get_close_matches(u, known, 1) for u in unknown}
+        hints = "".join(f" ({u!r}: did you mean {c[0]!r}?)" for u, c in close.items() if c)
+        raise ConfigError(f"cluster description has unknown fields {unknown}{hints}; known: {sorted(known)}")
     if "device" not in data:
         raise ConfigError("cluster description needs 'device' (one of h100, h200, a100, mi300x, cpu)")
     dev = data["device"]
@@ -103,12 +130,13 @@ def cluster_from_dict(data: dict, name: str = "") -> ClusterSpec:
                 f"cluster field 'device' as a mapping needs 'name' (a known kind) and only DeviceSpec fields "
                 f"{sorted(fields)}; got {dev!r}"
             )
-        device = replace(get_device(str(dev["name"])), **{k: float(v) for k, v in dev.items() if k != "name"})
+        figures = {k: _number(dev, k, float, None, "device") for k in dev if k != "name"}
+        device = replace(get_device(str(dev["name"])), **figures)
     else:
         device = get_device(str(dev))
     if "memory_gb" in data:
-        device = replace(device, memory_gb=float(data["memory_gb"]))
-    nodes, per = int(data.get("nodes", 1)), int(data.get("devices_per_node", 8))
+        device = replace(device, memory_gb=_number(data, "memory_gb", float, None))
+    nodes, per = _number(data, "nodes", int, 1), _number(data, "devices_per_node", int, 8)
     if nodes < 1 or per < 1:
         raise ConfigError(f"cluster nodes and devices_per_node must be >= 1, got {nodes} and {per}")
     intra = _link(data.get("intra_node", {"bandwidth_gbs": 450.0, "latency_us": 3.0}), "intra_node")
@@ -136,7 +164,10 @@ def load_cluster(spec: str | Path | dict | ClusterSpec) -> ClusterSpec:
                 f"cluster {str(spec)!r} is neither a file nor a shipped example; shipped: {shipped_clusters()}"
             )
         return cluster_from_dict(yaml.safe_load(shipped.read_text()), str(spec))
-    data = yaml.safe_load(path.read_text())
+    data = read_yaml(path, "cluster file")
     if not isinstance(data, dict):
         raise ConfigError(f"cluster file {path} must hold a YAML mapping, got {type(data).__name__}")
-    return cluster_from_dict(data, path.stem)
+    try:
+        return cluster_from_dict(data, path.stem)
+    except ConfigError as exc:
+        raise ConfigError(f"cluster file {path}: {exc}") from exc

@@ -13,16 +13,21 @@ allow only the heads of attention).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import yaml
-
-from nnscaler.errors import ConfigError
+from nnscaler.errors import ConfigError, PlanError
 from nnscaler.graph.ir import Graph, Node
+from nnscaler.policies.autodist.yaml_files import read_yaml
 from nnscaler.policies.plan import NodePlan
 
-__all__ = ["PartitionConstraint", "PartitionConstraints", "load_constraints"]
+__all__ = [
+    "PartitionConstraint",
+    "PartitionConstraints",
+    "load_constraints",
+    "unsatisfiable_error",
+    "describe_node",
+]
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,8 @@ class PartitionConstraint:
     allowed_splits: tuple[str, ...] | None = None
     """Annotation identifiers a split may use; None: any."""
     replica_allowed: bool = True
+    source: str = field(default="", compare=False)
+    """Where the rule was given, e.g. "pas_config['partition_constraints'][0] = {...}" (for messages)."""
 
     def matches(self, graph: Graph, node: Node) -> bool:
         op = node.op
@@ -52,6 +59,17 @@ class PartitionConstraint:
             or (self.parent_module in classes)
             or any(p.endswith("." + self.parent_module) or p == self.parent_module for p in _prefixes(path))
         )
+
+
+def _dim_idents(rule: PartitionConstraint, bound) -> set[str]:
+    """The annotation identifiers of the (input, dim) pairs in rule.allowed_partition_dims."""
+    idents = set()
+    for i, d in rule.allowed_partition_dims or ():
+        if bound is not None and i < len(bound.anno.inputs):
+            dims = bound.anno.inputs[i].dims or ()
+            if d < len(dims) or -len(dims) <= d < 0:
+                idents.add(dims[d].ids[0])
+    return idents
 
 
 def _prefixes(path: str) -> list[str]:
@@ -77,19 +95,50 @@ class PartitionConstraints:
                 continue
             if rule.allowed_splits is not None and plan.split not in rule.allowed_splits:
                 return False
-            if rule.allowed_partition_dims is not None:
-                idents = set()
-                for i, d in rule.allowed_partition_dims:
-                    if bound is not None and i < len(bound.anno.inputs):
-                        dims = bound.anno.inputs[i].dims or ()
-                        if d < len(dims) or -len(dims) <= d < 0:
-                            idents.add(dims[d].ids[0])
-                if plan.split not in idents:
-                    return False
+            if rule.allowed_partition_dims is not None and plan.split not in _dim_idents(rule, bound):
+                return False
         return True
 
     def __bool__(self) -> bool:
         return bool(self.rules)
+
+
+def describe_node(graph: Graph, node: Node) -> str:
+    """'node linear_3 (aten.linear.default) in model.layers.0.mlp.up (Linear), at modeling.py:12  <code>'."""
+    where = f"node {node.name} ({node.op})"
+    if node.module_path:
+        cls = node.module_class or graph.module_classes.get(node.module_path, "")
+        where += f" in {node.module_path}" + (f" ({cls})" if cls else "")
+    if node.source:
+        loc, _, code = node.source.strip().partition("  ")
+        where += f", at {loc}" + (f" `{code.strip()}`" if code.strip() else "")
+    return where
+
+
+def unsatisfiable_error(
+    graph: Graph, node: Node, ways: int, constraints: PartitionConstraints, valid_splits: list[str], bound
+) -> PlanError:
+    """The PlanError for an op every partition of which the matching rules forbid (`valid_splits`: the
+    splits its shapes allow over `ways` devices; `bound`: its bound annotation or None)."""
+    rules = [r for r in constraints.rules if r.matches(graph, node)]
+    named = "; ".join(r.source or repr(r) for r in rules) or "the partition constraints"
+    shapes = (
+        f"the splits its shapes allow over {ways} devices are {valid_splits}"
+        if valid_splits
+        else f"its shapes allow no split over {ways} device(s)"
+    )
+    sizes = getattr(bound, "sizes", None) or {}
+    wanted = {i for r in rules for i in (r.allowed_splits or ())} | {
+        i for r in rules for i in _dim_idents(r, bound)
+    }
+    uneven = [f"{i!r} has size {sizes[i]}" for i in sorted(wanted) if sizes.get(i) and sizes[i] % ways]
+    if uneven:
+        shapes += f"; {', '.join(uneven)}, which {ways} devices do not divide"
+    return PlanError(
+        f"autodist cannot honour {named} for {describe_node(graph, node)}: the rule forbids replication "
+        f"and every split ({shapes}); allow one (allowed_partition_dims / allowed_splits), set "
+        "replica_allowed: true, or narrow the rule with parent_module"
+    )
 
 
 def _entry(data: object, index: int) -> PartitionConstraint:
@@ -128,11 +177,14 @@ def load_constraints(spec: str | Path | list | None) -> PartitionConstraints:
     """Constraints from a YAML file path, a list of mappings, or None."""
     if spec is None:
         return PartitionConstraints()
+    key = "pas_config['partition_constraints']"
     if isinstance(spec, (str, Path)):
         path = Path(spec)
         if not path.exists():
             raise ConfigError(f"pas_config['partition_constraints_path'] = {str(spec)!r}: no such file")
-        spec = yaml.safe_load(path.read_text()) or []
+        key = f"pas_config['partition_constraints_path'] ({path})"
+        spec = read_yaml(path, "partition constraints file") or []
     if not isinstance(spec, list):
         raise ConfigError(f"partition constraints must be a list of mappings, got {type(spec).__name__}")
-    return PartitionConstraints(tuple(_entry(d, i) for i, d in enumerate(spec)))
+    rules = (replace(_entry(d, i), source=f"{key}[{i}] = {d!r}") for i, d in enumerate(spec))
+    return PartitionConstraints(tuple(rules))

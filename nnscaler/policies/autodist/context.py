@@ -17,7 +17,15 @@ from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.runtime.grads.buckets import DEFAULT_BUCKET_CAP_MB
 
-__all__ = ["PlannerSetup", "mesh_for", "stage_context", "transient_bytes", "fixed_costs", "segment_input"]
+__all__ = [
+    "PlannerSetup",
+    "mesh_for",
+    "mesh_options",
+    "stage_context",
+    "transient_bytes",
+    "fixed_costs",
+    "segment_input",
+]
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,8 @@ class PlannerSetup:
     measured: dict[str, float] | None = None
     """Measured op times (pas_config['profile_db_path']), overriding the analytic ones where present."""
     tp_mesh: str | tuple[int, ...] = "auto"
-    """2-D splits: the mesh of a stage's tensor-parallel devices, 'auto' or 'off' (see mesh_for)."""
+    """2-D splits: the mesh of a stage's tensor-parallel devices, 'auto' (searched), 'off' or a pinned
+    (a, b) (see mesh_options)."""
     step_overhead: float = 0.0
     """Seconds one device spends per micro-batch outside its ops (the backward pass's start, the
     module's call), measured by the profiler; 0 without a measured database."""
@@ -63,17 +72,28 @@ class PlannerSetup:
     """Gradient bucket size of the data-parallel sync (each bucket pays the collective's latency)."""
 
 
-def mesh_for(setup: PlannerSetup, ways: int, pipelined: bool = False) -> tuple[int, ...]:
-    """The 2-D mesh offered to a stage of `ways` devices: pas_config['tp_mesh'] where it has that many
-    devices; under 'auto', [2, ways / 2] for an even degree of 4 or more without pipeline stages (the
-    pipeline search solves a stage program per configuration, and 2-D choices multiply the size of
-    each); else () (1-D splits only)."""
+def mesh_options(setup: PlannerSetup, ways: int, pipelined: bool = False) -> tuple[tuple[int, ...], ...]:
+    """The 2-D meshes the SPMD search tries for a stage of `ways` devices (each is solved, the cheapest
+    wins; every mesh's program also holds the 1-D choices): under pas_config['tp_mesh'] 'auto', every
+    factorisation a x b of `ways` with a, b > 1 (8: 2 x 4, 4 x 2), none under pipeline stages (the
+    pipeline search solves a stage program per configuration; docs/autodist.md); a pinned [a, b]
+    where it has that many devices; none under 'off'. Two axes: partition splits an op over a mesh
+    of any rank, but autodist's choices (choices.py) put a batch-like identifier on axis 0 and one
+    other on axis 1."""
     if setup.tp_mesh == "off":
         return ()
     if setup.tp_mesh == "auto":
-        return (2, ways // 2) if ways >= 4 and ways % 2 == 0 and not pipelined else ()
+        if pipelined:
+            return ()
+        return tuple((a, ways // a) for a in range(2, ways // 2 + 1) if ways % a == 0)
     mesh = tuple(setup.tp_mesh)
-    return mesh if math.prod(mesh) == ways and len(mesh) == 2 and min(mesh) > 1 else ()
+    return (mesh,) if math.prod(mesh) == ways and len(mesh) == 2 and min(mesh) > 1 else ()
+
+
+def mesh_for(setup: PlannerSetup, ways: int, pipelined: bool = False) -> tuple[int, ...]:
+    """The first mesh of mesh_options ([2, ways / 2] under 'auto'), or () (1-D splits only)."""
+    options = mesh_options(setup, ways, pipelined)
+    return options[0] if options else ()
 
 
 def stage_context(setup: PlannerSetup, ways: int, pipelined: bool = False) -> CostContext:
@@ -90,6 +110,7 @@ def stage_context(setup: PlannerSetup, ways: int, pipelined: bool = False) -> Co
         measured=setup.measured,
         free_op=setup.free_op,
         mesh=mesh_for(setup, ways, pipelined),
+        mesh_options=mesh_options(setup, ways, pipelined),
     )
 
 

@@ -11,7 +11,7 @@ from nnscaler.graph.ir import Graph
 from nnscaler.policies.autodist.candidate import Candidate
 from nnscaler.policies.autodist.cluster import ClusterSpec, LinkSpec, load_cluster
 from nnscaler.policies.autodist.constraints import PartitionConstraints, load_constraints
-from nnscaler.policies.autodist.context import PlannerSetup, mesh_for
+from nnscaler.policies.autodist.context import PlannerSetup
 from nnscaler.policies.autodist.cost import traced_batch_size
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.autodist.plan_files import load_plan, save_plan
@@ -126,7 +126,7 @@ def _profile_db(path: str | None):
 
 def plan_from_candidate(graph: Graph, cand: Candidate, setup: PlannerSetup, scheduler: str = "1f1b") -> Plan:
     nodes = {name: _bare(p) for name, p in cand.spmd.plans.items()}
-    mesh = mesh_for(setup, setup.plan_ngpus // cand.pp) if any(p.mesh_splits for p in nodes.values()) else ()
+    mesh = cand.spmd.mesh if any(p.mesh_splits for p in nodes.values()) else ()
     pipeline = None
     if cand.pp > 1:
         pipeline = PipelinePlan(

@@ -1,5 +1,7 @@
 """Standard recipes costed with the same model, for the report: data parallel with ZeRO 1/2/3, and
-Megatron-style tensor parallel x pipeline (1F1B) x data parallel over all valid degrees."""
+Megatron-style tensor parallel x pipeline (1F1B) x data parallel over all valid degrees; each says
+which of the search's limits it breaks (memory, a user constraint), so the report can say why a faster
+recipe was not taken."""
 
 from __future__ import annotations
 
@@ -8,11 +10,14 @@ from dataclasses import dataclass, replace
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
+from nnscaler.graph.ops import annotate_node
 from nnscaler.policies.autodist.candidate import Candidate
+from nnscaler.policies.autodist.constraints import PartitionConstraints
 from nnscaler.policies.autodist.context import PlannerSetup, stage_context, transient_bytes
 from nnscaler.policies.autodist.evaluate import evaluate_nodes
 from nnscaler.policies.autodist.layers import layer_instances
 from nnscaler.policies.autodist.search import divisors, micro_options
+from nnscaler.policies.plan import REPLICATE, NodePlan
 from nnscaler.policies.staging import balanced_starts
 from nnscaler.policies.tp import pas_tp
 
@@ -24,6 +29,13 @@ class Recipe:
     name: str
     candidate: Candidate
     fits: bool
+    dp: int = 1
+    zero: int = 0
+    """ZeRO stage the recipe is costed with."""
+    peak: float = 0.0
+    """Bytes on the fullest device, transient buffers included (what `fits` compares to the limit)."""
+    excluded: tuple[str, ...] = ()
+    """Why the search could not take this recipe: memory, or the user constraints it breaks."""
 
 
 def _scale(setup: PlannerSetup, dp: int, m: int = 1) -> float:
@@ -44,12 +56,14 @@ def _fit(graph: Graph, s: PlannerSetup, nodes, pp: int, starts, m: int, layers: 
     """The recipe as it is, or with every layer recomputed when that is what makes it fit."""
     transient = transient_bytes(graph, stage_context(s, s.plan_ngpus // pp), s)
     cand = evaluate_nodes(graph, s, nodes, pp=pp, starts=starts, nmicros=m)
+    cand.zero = s.memory.zero_stage
     if cand.memory + transient <= s.mem_limit or not layers:
-        return cand, cand.memory + transient <= s.mem_limit, ""
+        return cand, cand.memory + transient <= s.mem_limit, "", cand.memory + transient
     rc = evaluate_nodes(graph, s, nodes, pp=pp, starts=starts, nmicros=m, recompute=layers)
+    rc.zero = s.memory.zero_stage
     if rc.memory + transient <= s.mem_limit:
-        return rc, True, " + recompute"
-    return cand, False, ""
+        return rc, True, " + recompute", rc.memory + transient
+    return cand, False, "", cand.memory + transient
 
 
 def standard_recipes(graph: Graph, setup: PlannerSetup, ndevices: int, nmicros: int = 1) -> list[Recipe]:
@@ -71,7 +85,8 @@ def standard_recipes(graph: Graph, setup: PlannerSetup, ndevices: int, nmicros: 
                 batch_scale=_scale(setup, ndevices, m),
             )
             best = _better(best, _fit(graph, s, {}, 1, None, m, layers), m)
-        out.append(Recipe(f"DP x{ndevices} + ZeRO-{zero}{best[2]}{_mb(setup, best[3])}", best[0], best[1]))
+        name = f"DP x{ndevices} + ZeRO-{zero}{best[2]}{_mb(setup, best[3])}"
+        out.append(_recipe(graph, setup, name, best, ndevices, {}))
     for tp in divisors(ndevices):
         if tp > setup.cluster.devices_per_node:
             continue
@@ -92,14 +107,14 @@ def standard_recipes(graph: Graph, setup: PlannerSetup, ndevices: int, nmicros: 
                     continue
             if best is not None:
                 name = f"Megatron TP{tp} x PP{pp} x DP{dp}{best[2]}{_mb(setup, best[3])}"
-                out.append(Recipe(name, best[0], best[1]))
+                out.append(_recipe(graph, setup, name, best, dp, tp_nodes))
     return out
 
 
 def _better(best, new, m: int):
-    """Keep the fitting, faster one of (candidate, fits, suffix, nmicros) tuples."""
-    cand, fits, rc = new
-    item = (cand, fits, rc, m)
+    """Keep the fitting, faster one of (candidate, fits, suffix, nmicros, peak) tuples."""
+    cand, fits, rc, peak = new
+    item = (cand, fits, rc, m, peak)
     if best is None or (fits and not best[1]) or (fits == best[1] and cand.step_time < best[0].step_time):
         return item
     return best
@@ -107,3 +122,69 @@ def _better(best, new, m: int):
 
 def _mb(setup: PlannerSetup, m: int) -> str:
     return f", {m} micro-batches" if setup.global_batch else ""
+
+
+def _recipe(
+    graph: Graph, setup: PlannerSetup, name: str, best, dp: int, nodes: dict[str, NodePlan]
+) -> Recipe:
+    cand, fits, _, _, peak = best
+    r = Recipe(name, cand, fits, dp, cand.zero, peak)
+    r.excluded = exclusions(graph, setup, r, nodes)
+    return r
+
+
+def exclusions(graph: Graph, setup: PlannerSetup, r: Recipe, nodes: dict[str, NodePlan]) -> tuple[str, ...]:
+    """What keeps the search (run with `setup`) from taking recipe `r` (per-node splits `nodes`)."""
+    c, out = r.candidate, []
+    if not r.fits:
+        out.append(
+            f"does not fit memory: {r.peak / 1e9:.4g} GB on its fullest device > limit {setup.mem_limit / 1e9:.4g} GB"
+        )
+    size = c.pp * c.tp
+    if not setup.global_batch and size != setup.plan_ngpus:  # offline planning searches the plan size
+        out.append(
+            f"plan_ngpus={setup.plan_ngpus} (the ComputeConfig) fixes the plan size; it plans over {size}"
+        )
+    if setup.recompute and tuple(c.recompute_paths) != tuple(setup.recompute):
+        what = "every layer" if c.recompute_paths else "nothing"
+        asked = ", ".join(setup.recompute[:2]) + (
+            f" ... ({len(setup.recompute)} modules)" if len(setup.recompute) > 2 else ""
+        )
+        out.append(f"recompute_modules asks to recompute {asked}; it recomputes {what}")
+    if setup.nstages is not None and c.pp != setup.nstages:
+        out.append(f"pipeline_nstages={setup.nstages}; it has {c.pp} stage(s)")
+    if setup.nmicros is not None and not setup.global_batch and c.nmicros != setup.nmicros:
+        out.append(f"pipeline_nmicros={setup.nmicros}; it runs {c.nmicros} micro-batches")
+    if not setup.global_batch and r.dp > 1 and r.zero != setup.memory.zero_stage:
+        out.append(
+            f"ZeRO stage {setup.memory.zero_stage} (ComputeConfig use_zero/zero_stage, pas_config['zero_stage']); "
+            f"it uses ZeRO-{r.zero}"
+        )
+    broken = _broken_rule(graph, setup, nodes)
+    if broken:
+        out.append(broken)
+    return tuple(out)
+
+
+def _broken_rule(graph: Graph, setup: PlannerSetup, nodes: dict[str, NodePlan]) -> str:
+    """The first partition constraint (pas_config['partition_constraints']) the recipe's splits break."""
+    if not setup.constraints:
+        return ""
+    for node in graph.nodes:
+        plan = nodes.get(node.name, REPLICATE)
+        plan = plan if plan.is_split else REPLICATE
+        bound = annotate_node(node, graph)
+        rule = next(
+            (
+                r
+                for r in setup.constraints.rules
+                if not PartitionConstraints((r,)).allows(graph, node, bound, plan)
+            ),
+            None,
+        )
+        if rule is None:
+            continue
+        where = f" in {rule.parent_module}" if rule.parent_module else ""
+        split = "replicates it" if plan is REPLICATE else f"splits it on {plan.describe()}"
+        return f"partition constraint on {rule.name}{where} (op {node.name}): the recipe {split}"
+    return ""

@@ -11,32 +11,15 @@ from nnscaler.graph.ir import Graph
 from nnscaler.policies.autodist.candidate import Candidate
 from nnscaler.policies.autodist.context import PlannerSetup
 from nnscaler.policies.autodist.evaluate import evaluate_plan
-from nnscaler.policies.autodist.layers import layer_instances
 from nnscaler.policies.autodist.policy import planner_setup
 from nnscaler.policies.autodist.recipes import standard_recipes
+from nnscaler.policies.autodist.report_reasons import why_not_taken
+from nnscaler.policies.autodist.report_words import module_group, module_words, short_op
 from nnscaler.policies.plan import Plan
 
 __all__ = ["plan_report", "plan_report_text", "write_plan_report", "REPORT_NAME"]
 
 REPORT_NAME = "plan_report.md"
-
-
-def _short(op: str) -> str:
-    parts = op.split(".")
-    return parts[1] if op.startswith("aten.") and len(parts) > 2 else op
-
-
-def _group(graph: Graph, pivots) -> dict[str, str]:
-    """Node name -> the module it is reported under: its layer instance, else a two-level path."""
-    _, instances = layer_instances(graph, pivots)
-    out = {}
-    for path, idx in instances:
-        for i in idx:
-            out[graph.nodes[i].name] = path
-    for n in graph.nodes:
-        if n.name not in out:
-            out[n.name] = ".".join(n.module_path.split(".")[:2]) or "(top level)"
-    return out
 
 
 def _ms(seconds: float) -> str:
@@ -96,34 +79,39 @@ def plan_report(
             lines.append(f"| {x.label()} | {_ms(x.step_time)} | {_ms(x.time_per_micro)} | {_gb(x.memory)} |")
     if res is not None:
         lines += _modules(graph, plan, setup, res)
+    if res is not None:
+        lines += module_words(graph, plan, setup)
     if recipes:
-        lines += [
-            "",
-            "## Standard recipes (same cost model)",
-            "",
-            "| recipe | step (ms) | memory (GB) | fits |",
-            "|---|---|---|---|",
-        ]
-        lines.append(
-            f"| **autodist: {cand.label()}** | {_ms(cand.step_time)} | {_gb(cand.memory)} | "
-            f"{'yes' if cand.memory <= setup.mem_limit else 'no'} |"
-        )
-        for r in standard_recipes(graph, setup, setup.plan_ngpus * setup.dp_size, cand.nmicros):
-            lines.append(
-                f"| {r.name} | {_ms(r.candidate.step_time)} | {_gb(r.candidate.memory)} | {'yes' if r.fits else 'no'} |"
-            )
-        if setup.global_batch:
-            note = "split over its data-parallel replicas and its best micro-batch count."
-        else:
-            note = (
-                "(its micro-batches grow or shrink with its data-parallel degree) and the same micro-batches."
-            )
-        lines += ["", f"Every recipe takes the same global batch per step as the chosen plan, {note}"]
+        lines += _recipes(graph, setup, cand, scored)
     return "\n".join(lines) + "\n"
 
 
+def _recipes(graph: Graph, setup: PlannerSetup, cand: Candidate, scored: list[Candidate] | None) -> list[str]:
+    """The standard recipes' table; each one faster than the chosen plan says why it was not taken."""
+    lines = [
+        "",
+        "## Standard recipes (same cost model)",
+        "",
+        "| recipe | step (ms) | memory (GB) | fits | why not taken |",
+        "|---|---|---|---|---|",
+        f"| **autodist: {cand.label()}** | {_ms(cand.step_time)} | {_gb(cand.memory)} | "
+        f"{'yes' if cand.memory <= setup.mem_limit else 'no'} | |",
+    ]
+    for r in standard_recipes(graph, setup, setup.plan_ngpus * setup.dp_size, cand.nmicros):
+        why = "; ".join(why_not_taken(r, setup, scored)) if r.candidate.step_time < cand.step_time else ""
+        lines.append(
+            f"| {r.name} | {_ms(r.candidate.step_time)} | {_gb(r.candidate.memory)} | "
+            f"{'yes' if r.fits else 'no'} | {why} |"
+        )
+    if setup.global_batch:
+        note = "split over its data-parallel replicas and its best micro-batch count."
+    else:
+        note = "(its micro-batches grow or shrink with its data-parallel degree) and the same micro-batches."
+    return lines + ["", f"Every recipe takes the same global batch per step as the chosen plan, {note}"]
+
+
 def _modules(graph: Graph, plan: Plan, setup: PlannerSetup, res) -> list[str]:
-    group = _group(graph, setup.pivots)
+    group = module_group(graph, setup.pivots)
     order: list[str] = []
     splits: dict[str, Counter] = defaultdict(Counter)
     time: dict[str, float] = defaultdict(float)
@@ -141,9 +129,9 @@ def _modules(graph: Graph, plan: Plan, setup: PlannerSetup, res) -> list[str]:
             stage_of[g] = max(stage, 0)
         p = plan.node(n.name)
         if p.mesh_splits:
-            splits[g][f"{_short(n.op)}:{p.describe()}"] += 1
+            splits[g][f"{short_op(n.op)}:{p.describe()}"] += 1
         elif p.is_split:
-            splits[g][f"{_short(n.op)}:{p.split}" + (f"/{p.blocks}" if p.blocks > 1 else "")] += 1
+            splits[g][f"{short_op(n.op)}:{p.split}" + (f"/{p.blocks}" if p.blocks > 1 else "")] += 1
         time[g] += res.node_time[n.name]
         comm[g] += res.node_comm[n.name]
         mem[g] += res.node_memory[n.name]

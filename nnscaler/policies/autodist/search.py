@@ -24,6 +24,7 @@ from nnscaler.policies.autodist.layers import layer_instances
 from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.pipeline_dp import stage_dp
 from nnscaler.policies.autodist.spmd import solve_spmd
+from nnscaler.policies.autodist.spmd_problem import MEMORY_ADVICE
 from nnscaler.policies.tp import pas_tp
 
 __all__ = ["search", "divisors", "micro_options"]
@@ -78,15 +79,24 @@ def _segments(graph: Graph, instances: list[tuple[str, list[int]]]) -> list[int]
 
 
 def _pipeline_candidates(
-    graph: Graph, setup: PlannerSetup, instances, layer_paths: tuple[str, ...]
+    graph: Graph, setup: PlannerSetup, instances, layer_paths: tuple[str, ...], refused: list[tuple[str, str]]
 ) -> list[Candidate]:
+    """Every pipelined configuration that plans; `refused` gains (configuration, reason) for the others."""
     out: list[Candidate] = []
     seg_starts = _segments(graph, instances)
     for pp in divisors(setup.plan_ngpus):
         tp = setup.plan_ngpus // pp
-        if pp == 1 or pp > len(seg_starts) or (setup.nstages is not None and setup.nstages != pp):
+        if pp == 1 or (setup.nstages is not None and setup.nstages != pp):
+            continue
+        if pp > len(seg_starts):
+            refused.append(
+                (f"pp={pp} tp={tp}", f"{pp} stages need {pp} layers, the model has {len(seg_starts)}")
+            )
             continue
         if setup.max_tp is not None and tp > setup.max_tp:
+            refused.append(
+                (f"pp={pp} tp={tp}", f"tp={tp} is over max_tp={setup.max_tp} (one node's devices)")
+            )
             continue
         ctx = stage_context(setup, tp, pipelined=True)
         limit = setup.mem_limit - transient_bytes(graph, ctx, setup)
@@ -107,9 +117,20 @@ def _pipeline_candidates(
                     mem_limit=None if math.isinf(limit) else ilp_limit,
                     mem_weights=(1.0 / pp, 0.0 if own_rc else 1.0),
                 )
-            except PlanError:
+            except PlanError as exc:
+                refused.append((f"pp={pp} tp={tp}{' +recompute' if rc else ''}", str(exc)))
                 continue
-            out.extend(_score_pipeline(graph, setup, res, ctx, pp, rc, limit, seg_starts, layer_paths))
+            scored = _score_pipeline(graph, setup, res, ctx, pp, rc, limit, seg_starts, layer_paths)
+            if not scored:
+                refused.append(
+                    (
+                        f"pp={pp} tp={tp}{' +recompute' if rc else ''}",
+                        f"no stage boundaries keep every stage within {limit / 1e9:.2f} GB per device "
+                        "(1F1B keeps up to pp micro-batches of activations on stage 0): raise "
+                        "pas_config['mem_constraint'] or recompute",
+                    )
+                )
+            out.extend(scored)
     return out
 
 
@@ -180,19 +201,62 @@ def _megatron_alternatives(graph: Graph, setup: PlannerSetup, scored: list[Candi
     return out
 
 
+def _check_stage_count(setup: PlannerSetup) -> None:
+    """A fixed pipeline_nstages the devices or the compute config cannot give: PlanError saying which."""
+    k, n = setup.nstages, setup.plan_ngpus
+    if k > n or n % k:
+        raise PlanError(
+            f"autodist: pas_config['pipeline_nstages']={k} cannot split plan_ngpus={n} devices into stages "
+            f"of equal size (each stage runs on plan_ngpus / pipeline_nstages devices): use one of "
+            f"{divisors(n)}, or plan for a multiple of {k} devices"
+        )
+    if not setup.end2end or not setup.training:
+        need = "ComputeConfig(use_end2end=True)" if not setup.end2end else "training (inference_only=False)"
+        raise PlanError(
+            f"autodist: pas_config['pipeline_nstages']={k} needs {need}: autodist plans pipelines only for "
+            "end-to-end training steps; drop pipeline_nstages or set it"
+        )
+
+
+def _nothing_planned(ndevices: int, refused: list[tuple[str, str]]) -> PlanError:
+    """The error when every configuration was refused: each reason once, with the configurations it
+    refused (the advice after a memory reason once, at the end)."""
+    if not refused:
+        return PlanError(f"autodist: no configuration of {ndevices} devices could be tried")
+    if len(refused) == 1:
+        why = refused[0][1]
+        return PlanError(why if why.startswith("autodist") else f"autodist: {why}")
+    reasons: dict[str, list[str]] = {}
+    advice = ""
+    for config, why in refused:
+        why, mark, rest = why.removeprefix("autodist: ").partition(MEMORY_ADVICE)
+        advice = advice or (mark + rest).removeprefix(": ")
+        reasons.setdefault(why, []).append(config)
+    lines = [f"  - {'; '.join(configs)}: {why}" for why, configs in reasons.items()]
+    tail = f"\nfor memory: {advice}" if advice else ""
+    return PlanError(
+        f"autodist: no configuration of {ndevices} devices could be planned:\n" + "\n".join(lines) + tail
+    )
+
+
 def search(graph: Graph, setup: PlannerSetup) -> tuple[Candidate, list[Candidate]]:
     """The best configuration (by time per micro-batch) and every configuration scored."""
     pivots, instances = layer_instances(graph, setup.pivots)
     layer_paths = tuple(p for p, _ in instances)
     setup = replace(setup, pivots=pivots or setup.pivots)
     scored: list[Candidate] = []
-    errors: list[str] = []
-    spmd_ok = setup.max_tp is None or setup.plan_ngpus <= setup.max_tp
-    if setup.nstages in (None, 1) and spmd_ok:
-        try:
-            scored.append(_spmd_candidate(graph, setup, layer_paths))
-        except PlanError as exc:
-            errors.append(str(exc))
+    refused: list[tuple[str, str]] = []  # (configuration, why it was not planned)
+    n = setup.plan_ngpus
+    if setup.nstages in (None, 1):
+        if setup.max_tp is not None and n > setup.max_tp:
+            refused.append((f"pp=1 tp={n}", f"tp={n} is over max_tp={setup.max_tp} (one node's devices)"))
+        else:
+            try:
+                scored.append(_spmd_candidate(graph, setup, layer_paths))
+            except PlanError as exc:
+                refused.append((f"pp=1 tp={n}", str(exc)))
+    else:
+        _check_stage_count(setup)
     if setup.nstages not in (None, 1) and len(instances) < setup.nstages:
         raise PlanError(
             f"autodist: pipeline_nstages={setup.nstages} needs at least {setup.nstages} layers to start "
@@ -202,10 +266,9 @@ def search(graph: Graph, setup: PlannerSetup) -> tuple[Candidate, list[Candidate
             "plain stack of linears), or drop pipeline_nstages"
         )
     if setup.end2end and setup.training and setup.nstages != 1 and len(instances) > 1:
-        scored.extend(_pipeline_candidates(graph, setup, instances, layer_paths))
+        scored.extend(_pipeline_candidates(graph, setup, instances, layer_paths, refused))
     if not scored:
-        why = errors[0] if errors else "no configuration fits the memory limit"
-        raise PlanError(f"autodist: {why}")
+        raise _nothing_planned(n, refused)
     if setup.constraints.rules == () and setup.plan_ngpus > 1:
         scored.extend(_megatron_alternatives(graph, setup, scored))
     for c in scored:

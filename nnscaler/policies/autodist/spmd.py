@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pulp
 
+from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph, Replicate
 from nnscaler.policies.autodist.choices import Choice
 from nnscaler.policies.autodist.constraints import PartitionConstraints
@@ -54,7 +55,10 @@ class SpmdResult:
     """Seconds per step of data-parallel gradient sync."""
     ways: int
     stats: dict = field(default_factory=dict)
-    """ILP size and solve time: variables, constraints, nodes, seconds, solver, status."""
+    """ILP size and solve time: variables, constraints, nodes, seconds, solver, status, objective (and
+    'meshes': mesh ('2x4') -> objective of each mesh tried, None where infeasible)."""
+    mesh: tuple[int, ...] = ()
+    """The mesh of the nodes with 2-D splits (() when none has one)."""
 
     def step_time(self, nmicros: int = 1) -> float:
         """Seconds per step of `nmicros` micro-batches run one after the other (gradient accumulation)."""
@@ -97,7 +101,63 @@ def solve_spmd(
     mem_weights: multipliers of (weights + optimizer state, activations) in the memory limit (a
     pipeline of p stages keeps 1/p of the weights and, on its first stage, about one micro-batch of
     the whole model's activations: (1/p, 1); with recompute (1/p, 0)).
+
+    ctx.mesh_options of two or more meshes (and no `fixed`): each mesh's program is solved and the
+    cheapest feasible one taken (its mesh in SpmdResult.mesh).
     """
+    kwargs = dict(
+        constraints=constraints,
+        mem_limit=mem_limit,
+        recompute=recompute,
+        pivots=pivots,
+        fold=fold,
+        solver=solver,
+        fixed=fixed,
+        nmicros=nmicros,
+        mem_weights=mem_weights,
+    )
+    if fixed is not None or len(ctx.mesh_options) < 2:
+        return _solve_one(graph, ctx, memory, **kwargs)
+    return _solve_meshes(graph, ctx, memory, kwargs)
+
+
+def _solve_meshes(graph: Graph, ctx: CostContext, memory: MemoryModel | None, kwargs: dict) -> SpmdResult:
+    """The cheapest of the programs of ctx.mesh_options (by objective: seconds per step)."""
+    best: SpmdResult | None = None
+    error: PlanError | None = None
+    tried: dict[str, float | None] = {}
+    for mesh in ctx.mesh_options:
+        name = "x".join(map(str, mesh))
+        try:
+            res = _solve_one(graph, replace(ctx, mesh=mesh, mesh_options=()), memory, **kwargs)
+        except PlanError as exc:
+            error, tried[name] = error or exc, None
+            continue
+        tried[name] = res.stats["objective"]
+        if best is None or res.stats["objective"] < best.stats["objective"] - 1e-9:
+            best = res
+    if best is None:
+        raise error
+    best.stats["meshes"] = tried
+    return best
+
+
+def _solve_one(
+    graph: Graph,
+    ctx: CostContext,
+    memory: MemoryModel | None,
+    *,
+    constraints,
+    mem_limit,
+    recompute,
+    pivots,
+    fold,
+    solver,
+    fixed,
+    nmicros,
+    mem_weights,
+) -> SpmdResult:
+    """solve_spmd over ctx.mesh alone."""
     with warnings.catch_warnings():  # PuLP 3.3 announces PuLP 4's API changes on every variable
         warnings.simplefilter("ignore", DeprecationWarning)
         problem = build_problem(
@@ -132,6 +192,7 @@ def solve_spmd(
             "solve_seconds": solve_s,
             "solver": solver_name,
             "status": status,
+            "objective": pulp.value(program.prob.objective) or 0.0,
         }
         return _result(problem, program, pick, out_cost, stats)
 
@@ -210,4 +271,5 @@ def _result(
         sum(node_sync.values()),
         ctx.ways,
         stats,
+        ctx.mesh if any(p.mesh_splits for p in plans.values()) else (),
     )

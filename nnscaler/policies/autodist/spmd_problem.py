@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
 from nnscaler.policies.autodist.choices import Choice, NodeChoices, node_choices
+from nnscaler.policies.autodist.cluster import shipped_clusters
 from nnscaler.policies.autodist.constraints import PartitionConstraints
 from nnscaler.policies.autodist.cost import CostContext
 from nnscaler.policies.autodist.layers import LayerFold, fold_layers
@@ -17,7 +18,7 @@ from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.plan import NodePlan
 
-__all__ = ["Edge", "SpmdProblem", "build_problem", "no_partition_error", "weighted_memory"]
+__all__ = ["Edge", "SpmdProblem", "build_problem", "no_partition_error", "weighted_memory", "MEMORY_ADVICE"]
 
 Edge = tuple
 """(producer representative or None, output index or the value's kind when there is no producer,
@@ -145,7 +146,13 @@ def weighted_memory(c: Choice, weights: tuple[float, float]) -> float:
     return (c.memory - act) * weights[0] + act * weights[1]
 
 
+MEMORY_ADVICE = ": raise pas_config['mem_constraint'], use more devices, recompute (recompute_modules) or ZeRO (zero_stage)"
+"""How no_partition_error's message goes on after the reason (search.py lists reasons without it)."""
+
+
 def no_partition_error(ctx: CostContext, mem_limit: float | None, status: str) -> PlanError:
+    """The PlanError for a stage no partition of which fits `mem_limit`: names the cluster planned for and
+    how to plan for another."""
     limit = "no memory limit" if mem_limit is None else f"{mem_limit / 1e9:.2f} GB per device"
     if mem_limit is not None and mem_limit <= 0:
         limit = (
@@ -154,6 +161,7 @@ def no_partition_error(ctx: CostContext, mem_limit: float | None, status: str) -
         )
     return PlanError(
         f"autodist found no partition over {ctx.ways} devices within {limit} (solver status "
-        f"{status}): raise pas_config['mem_constraint'], use more devices, recompute "
-        "(recompute_modules) or ZeRO (zero_stage)"
+        f"{status}) on cluster {ctx.cluster.describe()}{MEMORY_ADVICE}; to plan for another cluster, set "
+        f"pas_config['cluster'] to a cluster YAML file or a shipped example {shipped_clusters()}, or run "
+        "`python -m nnscaler.plan --cluster <file.yaml>`"
     )
