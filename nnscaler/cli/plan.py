@@ -12,6 +12,7 @@ the report, without compiling code (offline planning for a cluster you do not ha
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -52,13 +53,15 @@ def _at_sizes(graph, result, specs: list[str]) -> str:
 
 
 def _parse_mesh(spec: str) -> list[int]:
-    """'2x4' -> [2, 4] (two axes, each > 1)."""
+    """'2x4' -> [2, 4] (two or three axes, each > 1)."""
     try:
         mesh = [int(v) for v in spec.lower().split("x")]
     except ValueError:
         mesh = []
-    if len(mesh) != 2 or min(mesh) < 2:
-        raise SystemExit(f"--mesh {spec!r}: give two axis sizes, each 2 or more, as AxB, e.g. 2x4")
+    if len(mesh) not in (2, 3) or min(mesh) < 2:
+        raise SystemExit(
+            f"--mesh {spec!r}: give two or three axis sizes, each 2 or more, as AxB or AxBxC, e.g. 2x4"
+        )
     return mesh
 
 
@@ -99,8 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mesh",
         type=_parse_mesh,
-        metavar="AxB",
-        help="pin the mesh of a stage's devices (pas_config['tp_mesh']; the plan size defaults to A x B); "
+        metavar="AxB[xC]",
+        help="pin the mesh of a stage's devices (pas_config['tp_mesh']; the plan size defaults to the "
+        "product of the axes); "
         "default: searched",
     )
     return p
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         graph,
         cluster,
         args.devices,
-        plan_ngpus=args.plan_ngpus or (args.mesh[0] * args.mesh[1] if args.mesh else None),
+        plan_ngpus=args.plan_ngpus or (math.prod(args.mesh) if args.mesh else None),
         end2end=not args.no_pipeline,
         pas_config=pas,
         max_plan_ngpus=args.max_plan_ngpus,

@@ -221,8 +221,9 @@ class AutodistOptions(PipelineOptions):
     tp_mesh: str | list[int] = field(
         default="auto",
         metadata=_doc(
-            "2-D splits: a stage's tensor-parallel devices as a mesh [a, b] (a x b = the degree; axis 0 takes "
-            "a batch-like dim, axis 1 any other), 'auto' (every a x b = the degree with a, b > 1 is solved and the "
+            "Mesh splits: a stage's tensor-parallel devices as a mesh [a, b] or [a, b, c] (the product = the "
+            "degree; axis 0 takes a batch-like dim, each other axis a different dim), 'auto' (every a x b = "
+            "the degree with a, b > 1, and from 8 devices a x b x c ones, up to 6 meshes, is solved and the "
             "cheapest taken; none under pipeline stages) or 'off' (1-D splits only)."
         ),
     )

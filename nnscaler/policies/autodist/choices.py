@@ -77,7 +77,7 @@ def _plans(graph: Graph, node: Node, bound, ways: int, mesh: tuple[int, ...] = (
         plans.append(NodePlan(ident, ways))
         if hint > 1 and _keeps_blocks(bound, node, ident, ways, hint):
             plans.append(NodePlan(ident, ways, hint))
-    if len(mesh) == 2 and min(mesh) > 1:
+    if len(mesh) in (2, 3) and min(mesh) > 1:
         plans += _mesh_plans(node, bound, mesh, hint)
     return plans
 
@@ -89,8 +89,9 @@ def _keeps_blocks(bound, node: Node, ident: str, ways: int, hint: int) -> bool:
 
 
 def _mesh_plans(node: Node, bound, mesh: tuple[int, ...], hint: int) -> list[NodePlan]:
-    """2-D splits: a batch-like identifier (dim 0 or 1 of the first tensor input, carried to the output,
-    not reduced, not in a weight) over axis 0 and any other splittable identifier over axis 1."""
+    """Mesh splits: a batch-like identifier (dim 0 or 1 of the first tensor input, carried to the
+    output, not reduced, not in a weight) over axis 0 and a different splittable identifier over each
+    other axis (3 axes: e.g. a linear's n over axis 1 and k over axis 2)."""
     first = next((t for t in bound.anno.inputs if t.dims), None)
     if first is None or not bound.anno.outputs or not any(t.dims for t in bound.anno.outputs):
         return []
@@ -107,16 +108,27 @@ def _mesh_plans(node: Node, bound, mesh: tuple[int, ...], hint: int) -> list[Nod
     rule = get_rule(node.op)
     plans = []
     for a in outer:
-        for b in split_candidates(bound, mesh[1]):
-            if b == a:
-                continue
-            for blocks in (1, hint) if hint > 1 else (1,):
-                cand = NodePlan(mesh_splits=((a, 1), (b, blocks)))
-                if blocks > 1 and not _keeps_blocks(bound, node, b, mesh[1], blocks):
-                    continue
-                if not isinstance(mesh_layouts_for(bound, rule, cand.mesh_splits, mesh), str):
-                    plans.append(cand)
+        for inner in _inner_splits(node, bound, mesh, hint, (a,)):
+            cand = NodePlan(mesh_splits=((a, 1), *inner))
+            if not isinstance(mesh_layouts_for(bound, rule, cand.mesh_splits, mesh), str):
+                plans.append(cand)
     return plans
+
+
+def _inner_splits(node: Node, bound, mesh: tuple[int, ...], hint: int, taken: tuple[str, ...]):
+    """(identifier, blocks) per mesh axis after the first, each identifier new (blocks only in 2-D)."""
+    axis = len(taken)
+    if axis == len(mesh):
+        yield ()
+        return
+    for b in split_candidates(bound, mesh[axis]):
+        if b in taken:
+            continue
+        for blocks in (1, hint) if hint > 1 and len(mesh) == 2 else (1,):
+            if blocks > 1 and not _keeps_blocks(bound, node, b, mesh[axis], blocks):
+                continue
+            for rest in _inner_splits(node, bound, mesh, hint, (*taken, b)):
+                yield ((b, blocks), *rest)
 
 
 def _structure(graph: Graph, node: Node):

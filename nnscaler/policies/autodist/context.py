@@ -61,8 +61,8 @@ class PlannerSetup:
     measured: dict[str, float] | None = None
     """Measured op times (pas_config['profile_db_path']), overriding the analytic ones where present."""
     tp_mesh: str | tuple[int, ...] = "auto"
-    """2-D splits: the mesh of a stage's tensor-parallel devices, 'auto' (searched), 'off' or a pinned
-    (a, b) (see mesh_options)."""
+    """Mesh splits: the mesh of a stage's tensor-parallel devices, 'auto' (searched), 'off' or a pinned
+    (a, b) or (a, b, c) (see mesh_options)."""
     step_overhead: float = 0.0
     """Seconds one device spends per micro-batch outside its ops (the backward pass's start, the
     module's call), measured by the profiler; 0 without a measured database."""
@@ -72,26 +72,41 @@ class PlannerSetup:
     """Gradient bucket size of the data-parallel sync (each bucket pays the collective's latency)."""
 
 
+MAX_MESHES = 6
+"""Most meshes the SPMD search solves for one stage under tp_mesh 'auto' (one ILP each)."""
+
+
 def mesh_options(setup: PlannerSetup, ways: int, pipelined: bool = False) -> tuple[tuple[int, ...], ...]:
-    """The 2-D meshes the SPMD search tries for a stage of `ways` devices (each is solved, the cheapest
-    wins; every mesh's program also holds the 1-D choices): under pas_config['tp_mesh'] 'auto', every
-    factorisation a x b of `ways` with a, b > 1 (8: 2 x 4, 4 x 2), none under pipeline stages (the
-    pipeline search solves a stage program per configuration; docs/autodist.md); a pinned [a, b]
-    where it has that many devices; none under 'off'. Two axes: partition splits an op over a mesh
-    of any rank, but autodist's choices (choices.py) put a batch-like identifier on axis 0 and one
-    other on axis 1."""
+    """The meshes the SPMD search tries for a stage of `ways` devices (each is solved, the cheapest
+    wins; every mesh's program also holds the 1-D choices). Under pas_config['tp_mesh'] 'auto': every
+    factorisation a x b of `ways` with a, b > 1 (8: 2 x 4, 4 x 2), then, from 8 devices, 3-axis ones
+    a x b x c (each > 1; those whose last axis fits in a node first) up to MAX_MESHES in all; none
+    under pipeline stages (the pipeline search solves a stage program per configuration;
+    docs/autodist.md). A pinned [a, b] or [a, b, c] where it has that many devices; none under 'off'.
+    Choices (choices.py) put a batch-like identifier on axis 0 and other identifiers on the rest."""
     if setup.tp_mesh == "off":
         return ()
     if setup.tp_mesh == "auto":
         if pipelined:
             return ()
-        return tuple((a, ways // a) for a in range(2, ways // 2 + 1) if ways % a == 0)
+        two = tuple((a, ways // a) for a in range(2, ways // 2 + 1) if ways % a == 0)
+        room = MAX_MESHES - len(two)
+        if ways < 8 or room <= 0:
+            return two
+        per_node = setup.cluster.devices_per_node
+        three = sorted((m for a, rest in two for m in _splits_of(rest, a)), key=lambda m: m[-1] > per_node)
+        return two + tuple(three[:room])
     mesh = tuple(setup.tp_mesh)
-    return (mesh,) if math.prod(mesh) == ways and len(mesh) == 2 and min(mesh) > 1 else ()
+    return (mesh,) if math.prod(mesh) == ways and len(mesh) in (2, 3) and min(mesh) > 1 else ()
+
+
+def _splits_of(rest: int, a: int) -> list[tuple[int, int, int]]:
+    """(a, b, c) for every b x c = rest with b, c > 1."""
+    return [(a, b, rest // b) for b in range(2, rest // 2 + 1) if rest % b == 0]
 
 
 def mesh_for(setup: PlannerSetup, ways: int, pipelined: bool = False) -> tuple[int, ...]:
-    """The first mesh of mesh_options ([2, ways / 2] under 'auto'), or () (1-D splits only)."""
+    """The first mesh of mesh_options ((2, ways / 2) under 'auto'), or () (1-D splits only)."""
     options = mesh_options(setup, ways, pipelined)
     return options[0] if options else ()
 

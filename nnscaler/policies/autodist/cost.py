@@ -126,7 +126,8 @@ class CostContext:
     traced_batch: int = 0
     """Batch size of the trace: an activation whose dim 0 is a multiple of it carries the batch (0: all do)."""
     mesh: tuple[int, ...] = ()
-    """The stage's devices as a 2-D mesh (row-major) when 2-D splits are offered; () for 1-D only."""
+    """The stage's devices as a mesh of 2 or 3 axes (row-major) when mesh splits are offered; () for
+    1-D only."""
     mesh_options: tuple[tuple[int, ...], ...] = ()
     """Meshes the SPMD search tries, each solved on its own, the cheapest taken (spmd.solve_spmd);
     () or one: `mesh` alone."""

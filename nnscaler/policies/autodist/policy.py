@@ -95,11 +95,13 @@ def _tp_mesh(value) -> str | tuple[int, ...]:
         return value
     if (
         isinstance(value, (list, tuple))
-        and len(value) == 2
+        and len(value) in (2, 3)
         and all(isinstance(v, int) and v > 1 for v in value)
     ):
         return tuple(value)
-    raise PlanError(f"pas_config['tp_mesh'] must be 'auto', 'off' or [a, b] with a, b > 1, got {value!r}")
+    raise PlanError(
+        f"pas_config['tp_mesh'] must be 'auto', 'off', [a, b] or [a, b, c] with each > 1, got {value!r}"
+    )
 
 
 def _profile_db(path: str | None):
