@@ -54,33 +54,14 @@ def compile_8b(layers: int | None) -> dict:
     }
 
 
-def plan_70b(layers: int | None) -> dict:
-    model, inputs = _llama(layers, 8192, 64, 8192, 28672, 64, 8, 80)
+def _offline_row(row: str, model, inputs, cluster, devices: int) -> dict:
+    """Trace (torch's part, reported apart) then plan offline as `python -m nnscaler.plan` does."""
     t0 = time.perf_counter()
-    graph = capture(model, inputs, both_modes=False)  # as python -m nnscaler.plan traces
+    graph = capture(model, inputs, both_modes=False)
     trace_s = time.perf_counter() - t0
-    result = plan_offline(graph, load_cluster("h100x64_ib"), 64, pas_config={"use_bf16": True})
+    result = plan_offline(graph, cluster, devices, pas_config={"use_bf16": True})
     return {
-        "row": "llama3-70b offline plan, 64x H100 (8 nodes)",
-        "nodes": len(graph.nodes),
-        "trace_s": round(trace_s, 1),
-        "search_s": round(result.seconds, 1),
-        "total_s": round(trace_s + result.seconds, 1),
-        "ilp": result.best.spmd.stats,
-        "chosen": result.best.label() + f" plan_ngpus={result.setup.plan_ngpus}",
-        "configurations": len(result.scored),
-        "target_s": 60,
-    }
-
-
-def plan_405b(layers: int | None) -> dict:
-    model, inputs = llama3_405b_16k(layers)
-    t0 = time.perf_counter()
-    graph = capture(model, inputs, both_modes=False)  # torch's trace: reported apart from the search
-    trace_s = time.perf_counter() - t0
-    result = plan_offline(graph, cluster_spec("h100x2048_ib"), 2048, pas_config={"use_bf16": True})
-    return {
-        "row": "llama3-405b 16K offline plan, 2048x H100 (256 nodes), pipelines and meshes searched",
+        "row": row,
         "nodes": len(graph.nodes),
         "trace_s": round(trace_s, 1),
         "search_s": round(result.seconds, 1),
@@ -92,6 +73,24 @@ def plan_405b(layers: int | None) -> dict:
         "target_s": 60,
         "target_applies_to": "search_s",
     }
+
+
+def plan_70b(layers: int | None) -> dict:
+    model, inputs = _llama(layers, 8192, 64, 8192, 28672, 64, 8, 80)
+    return _offline_row(
+        "llama3-70b offline plan, 64x H100 (8 nodes)", model, inputs, load_cluster("h100x64_ib"), 64
+    )
+
+
+def plan_405b(layers: int | None) -> dict:
+    model, inputs = llama3_405b_16k(layers)
+    return _offline_row(
+        "llama3-405b 16K offline plan, 2048x H100 (256 nodes), pipelines and meshes searched",
+        model,
+        inputs,
+        cluster_spec("h100x2048_ib"),
+        2048,
+    )
 
 
 def main() -> None:
