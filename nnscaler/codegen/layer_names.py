@@ -48,6 +48,9 @@ def module_globals(statements: Iterable) -> set[str]:
     modules of custom ops and autograd Functions included) and the builtins."""
     names = set(_MODULE_NAMES | _BUILTINS)
     for s in statements:
+        if s.kind == "special" and "." in s.op:  # a runtime module the file imports (rng, context_parallel)
+            names.add(s.op.split(".", 1)[0])
+            continue
         if s.kind != "op" or s.op.startswith("aten."):
             continue
         if ":" in s.op:  # a custom autograd Function: module:Qualname.apply

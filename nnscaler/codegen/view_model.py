@@ -20,6 +20,7 @@ from nnscaler.graph.ir import iter_refs
 from nnscaler.graph.ops import op_module
 from nnscaler.mesh import mesh_axis_groups, rank_axis_groups
 from nnscaler.partition import Program, Statement
+from nnscaler.partition.context_parallel import CP_CALL
 
 __all__ = [
     "ShardLine",
@@ -241,7 +242,10 @@ def inference_attrs(cfg: ComputeConfig) -> list[str]:
 def custom_op_imports(statements: list[Statement]) -> list[str]:
     """Modules to import so the custom ops the statements call are registered."""
     modules = {op_module(s.op) for s in statements if s.kind == "op" and not s.op.startswith("aten.")}
-    return [f"{m}  # registers the custom ops called below" for m in sorted(m for m in modules if m)]
+    out = [f"{m}  # registers the custom ops called below" for m in sorted(m for m in modules if m)]
+    if any(s.kind == "special" and s.op == CP_CALL for s in statements):
+        out.append("nnscaler.runtime.context_parallel as context_parallel  # attention split by sequence")
+    return out
 
 
 def _spec_types(spec) -> list[str]:

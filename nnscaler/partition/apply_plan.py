@@ -25,6 +25,8 @@ from nnscaler.graph.ir import (
     storage_shard,
 )
 from nnscaler.graph.ops import annotate_node, get_rule, is_bias_split, layouts_for, mesh_layouts_for, op_call
+from nnscaler.graph.ops.attention import CONTEXT_PARALLEL_ATTENTION
+from nnscaler.partition.context_parallel import context_parallel_statement
 from nnscaler.partition.convert import GROUP, AxisGroup, conversion_steps
 from nnscaler.partition.local_ops import group_of, localise_dim, vocab_parallel_statement
 from nnscaler.partition.program import LocalTensor, Program, Statement
@@ -299,6 +301,12 @@ class _Partitioner:
             call_args = (args[0], p, train, self._shard_group(node, split_axes))
             self._emit(
                 Statement("special", "rng.sharded_dropout", call_args, {}, list(node.outputs), **common)
+            )
+        elif any(sp.emit == CONTEXT_PARALLEL_ATTENTION for sp in specials.values()):
+            self._emit(
+                context_parallel_statement(
+                    node, self.plan, specials, split_axes, args, kwargs, common, self.mesh
+                )
             )
         elif specials:
             self._vocab_parallel(node, rule, bound, specials, split_axes, args, kwargs, common)

@@ -61,6 +61,10 @@ def group_of(axes, mesh: tuple[int, ...]) -> object:
     raise PartitionError(f"no group spans mesh axes {axes} of mesh {mesh}")
 
 
+def _arg(args: Any, kwargs: dict, index: int, name: str, default: Any) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name, default)
+
+
 def _loss_options(args: Any, kwargs: dict) -> dict[str, Any]:
     ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
     reduction = _CE_REDUCTIONS[args[3] if len(args) > 3 else kwargs.get("reduction", 1)]
@@ -101,6 +105,11 @@ def vocab_parallel_statement(
         padding = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
         extra = {"padding_idx": padding} if padding is not None and padding >= 0 else {}
         call_args = (refs[1], refs[0], RankScaled(vocab // ways, rank_axis))
+    elif emit == "vocab_parallel_chunk_linear_cross_entropy":
+        # hidden's gradient is summed over the group by the copy_to_group the partition puts on it
+        extra = {"ignore_index": _arg(args, kwargs, 3, "ignore_index", -100)}
+        extra.update(chunk_size=_arg(args, kwargs, 4, "chunk_size", 1024), sync_hidden_grad=False)
+        call_args = (*refs[:3], RankScaled(bound.sizes["v"] // ways, rank_axis), group)
     else:
         extra = _loss_options(args, kwargs)
         if emit == "vocab_parallel_cross_entropy":

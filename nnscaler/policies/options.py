@@ -110,8 +110,38 @@ class DataOptions(PolicyOptions):
 
 
 @dataclass(frozen=True)
-class TpOptions(PolicyOptions):
-    """Policy `tp`: Megatron-style tensor parallelism over the plan devices."""
+class ContextParallelOptions(PolicyOptions):
+    """Keys that split the sequence of attention over devices (context parallelism)."""
+
+    cp_size: int = field(
+        default=1,
+        metadata=_doc(
+            "Devices the sequence is split over (context parallelism; docs/context_parallel.md). The plan "
+            "devices (of each pipeline stage) form a cp_size x (rest) mesh, tensor parallelism on the rest.",
+            min=1,
+        ),
+    )
+    cp_kind: Literal["zigzag", "ring", "ulysses", "hybrid"] = field(
+        default="zigzag",
+        metadata=_doc(
+            "How attention sees the whole sequence: 'zigzag' (ring of key/value blocks, balanced for causal "
+            "masks), 'ring' (plain ring), 'ulysses' (all-to-all to heads), 'hybrid' (ulysses inside groups of "
+            "cp_ulysses_size devices, ring across them)."
+        ),
+    )
+    cp_ulysses_size: int | None = field(
+        default=None,
+        metadata=_doc(
+            "Under cp_kind 'hybrid': devices of each Ulysses group (default: the largest power of two <= 8 "
+            "that divides cp_size // 2).",
+            min=1,
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class TpOptions(ContextParallelOptions):
+    """Policy `tp`: Megatron-style tensor parallelism over the plan devices (and the sequence over cp_size)."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +184,7 @@ class PpOptions(PipelineOptions):
 
 
 @dataclass(frozen=True)
-class HybridOptions(PipelineOptions):
+class HybridOptions(PipelineOptions, ContextParallelOptions):
     """Policy `hybrid`: pipeline stages over device groups, tensor parallelism (`tp`) inside each."""
 
     pp_size: int | None = field(

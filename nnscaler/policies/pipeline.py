@@ -13,6 +13,7 @@ from __future__ import annotations
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph, cut_graph
+from nnscaler.policies.context_parallel import context_parallel_of, with_context_parallel
 from nnscaler.policies.nccl_sim import check_nccl
 from nnscaler.policies.options import HybridOptions, PipelineOptions, PpOptions
 from nnscaler.policies.plan import SCHEDULERS, NodePlan, PipelinePlan, Plan
@@ -113,17 +114,26 @@ def pas_hybrid(graph: Graph, cfg: ComputeConfig) -> Plan:
             f"policy 'hybrid': pp_size ({pp_size}) must divide plan_ngpus ({cfg.plan_ngpus}) and "
             f"pipeline_nstages ({nstages})"
         )
-    tp = cfg.plan_ngpus // pp_size
+    cp = context_parallel_of(opts)
+    cp_size = cp.size if cp else 1
+    if (cfg.plan_ngpus // pp_size) % cp_size:
+        raise PlanError(
+            f"policy 'hybrid': cp_size ({cp_size}) must divide each stage's devices (plan_ngpus // pp_size = "
+            f"{cfg.plan_ngpus // pp_size})"
+        )
+    tp = cfg.plan_ngpus // pp_size // cp_size
     pipeline = _pipeline(graph, cfg, opts, pp_size, nstages)
     nodes: dict[str, NodePlan] = {}
     notes: list[str] = []
     starts = [i for i, n in enumerate(graph.nodes) if n.name in set(pipeline.starts)]
-    stage_cfg = ComputeConfig(tp, tp, pas_config=cfg.pas_config)
+    tp_only = {k: v for k, v in (cfg.pas_config or {}).items() if not k.startswith("cp_")}
+    stage_cfg = ComputeConfig(tp, tp, pas_config=tp_only)
     for piece in cut_graph(graph, starts):
         sub = pas_tp(piece.graph, stage_cfg)
         nodes.update(sub.nodes)
         notes.extend(f"stage {piece.index}: {n}" for n in sub.notes)
-    return Plan("hybrid", cfg.plan_ngpus, nodes, tuple(notes), pipeline=pipeline)
+    plan = Plan("hybrid", cfg.plan_ngpus // cp_size, nodes, tuple(notes), pipeline=pipeline)
+    return with_context_parallel(graph, plan, cp) if cp else plan
 
 
 def validate_pipeline(graph: Graph, plan: Plan, cfg: ComputeConfig) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["NodePlan", "PipelinePlan", "Plan", "REPLICATE", "SCHEDULERS"]
+__all__ = ["NodePlan", "PipelinePlan", "ContextParallel", "Plan", "REPLICATE", "SCHEDULERS", "CP_KINDS"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,30 @@ class PipelinePlan:
         )
 
 
+CP_KINDS = ("zigzag", "ring", "ulysses", "hybrid")
+"""How context-parallel attention passes the sequence (nnscaler.runtime.context_parallel): a ring of
+key/value blocks balanced for causal masks (zigzag) or not (ring), all-to-all to heads (ulysses), or
+Ulysses inside groups of `ulysses_size` devices with a ring across them (hybrid)."""
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """The sequence split over `size` devices of mesh axis `axis` (-1: all of a stage's devices)."""
+
+    size: int
+    kind: str = "zigzag"
+    ulysses_size: int = 1
+    axis: int = -1
+
+    def describe(self) -> str:
+        extra = (
+            f", ulysses {self.ulysses_size} x ring {self.size // self.ulysses_size}"
+            if self.kind == "hybrid"
+            else ""
+        )
+        return f"context parallel {self.size} ({self.kind}{extra})"
+
+
 @dataclass(frozen=True)
 class Plan:
     """Per-node splits over the plan devices of one data-parallel replica."""
@@ -95,6 +119,8 @@ class Plan:
     mesh: tuple[int, ...] = ()
     """The stage's devices as a mesh (row-major, e.g. (2, 2)) for nodes with `mesh_splits`; () for
     plans whose splits are all 1-D (each over all of the stage's devices)."""
+    context_parallel: ContextParallel | None = None
+    """The sequence split of attention (its kind and axis); None: no context parallelism."""
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -117,6 +143,7 @@ class Plan:
             "recompute": list(self.recompute),
             "pipeline": self.pipeline.to_dict() if self.pipeline else None,
             **({"mesh": list(self.mesh)} if self.mesh else {}),
+            **({"context_parallel": asdict(self.context_parallel)} if self.context_parallel else {}),
             "nodes": {
                 k: {f: v for f, v in asdict(p).items() if v not in ("", None, ()) or f == "split"}
                 for k, p in self.nodes.items()
@@ -139,6 +166,7 @@ class Plan:
             tuple(data.get("recompute", ())),
             PipelinePlan.from_dict(data["pipeline"]) if data.get("pipeline") else None,
             tuple(data.get("mesh", ())),
+            ContextParallel(**data["context_parallel"]) if data.get("context_parallel") else None,
         )
 
     def split_summary(self) -> dict[str, int]:

@@ -33,10 +33,13 @@ would save one, but needs an add that keeps partial sums).
 from __future__ import annotations
 
 from nnscaler.config import ComputeConfig
+from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph, Node, Shard
 from nnscaler.graph.ops import BoundAnno, annotate_node, get_rule, layouts_for, split_layouts
 from nnscaler.policies.blocks import blocks_hint, sub_dims
+from nnscaler.policies.context_parallel import context_parallel_of, with_context_parallel
 from nnscaler.policies.flow import FlowTracer
+from nnscaler.policies.options import TpOptions
 from nnscaler.policies.plan import NodePlan, Plan
 from nnscaler.policies.propagate import PropagationState, propagate
 from nnscaler.policies.weighted import WeightedOp, derived_from, tensor_refs, weighted_op
@@ -151,8 +154,20 @@ class _TpDecider:
 
 
 def pas_tp(graph: Graph, cfg: ComputeConfig) -> Plan:
-    """Megatron-style tensor parallelism over the plan devices (see the module docstring)."""
-    ways = cfg.plan_ngpus
+    """Megatron-style tensor parallelism over the plan devices (see the module docstring); with
+    pas_config['cp_size'] > 1, over plan_ngpus // cp_size of them, the sequence over cp_size."""
+    cp = context_parallel_of(TpOptions.from_pas_config(cfg.pas_config, strict=False))
+    if cp is None:
+        return _pas_tp(graph, cfg.plan_ngpus)
+    if cfg.plan_ngpus % cp.size:
+        raise PlanError(
+            f"pas_config['cp_size']={cp.size} does not divide plan_ngpus ({cfg.plan_ngpus}): the plan devices "
+            "form a cp_size x tensor-parallel mesh"
+        )
+    return with_context_parallel(graph, _pas_tp(graph, cfg.plan_ngpus // cp.size), cp)
+
+
+def _pas_tp(graph: Graph, ways: int) -> Plan:
     if ways == 1:
         plans = propagate(graph, ways, None)
         return Plan("tp", ways, plans, ())

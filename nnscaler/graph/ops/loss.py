@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nnscaler.graph.ops._letters import letters
-from nnscaler.graph.ops.registry import OpCall, Special, rule
+from nnscaler.graph.ops.registry import OpCall, Special, fixed, rule
 
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
@@ -38,3 +38,13 @@ def mse(call: OpCall) -> str:
         return f"{' '.join(ids)}, {' '.join(ids)} -> {' '.join(ids)}"
     flagged = " ".join(i + "+" for i in ids)
     return f"{flagged}, {flagged} -> "
+
+
+# nnscaler.runtime.chunked_loss: per-token losses of hidden @ weight.T without whole logits; split on
+# the tokens as is, on the vocabulary (the weight's rows) by the vocab-parallel chunked kernel
+fixed(
+    "nnscaler.chunk_linear_cross_entropy.default",
+    "loss",
+    "n k^, v k^, n -> n",
+    specials={"v": Special("vocab_parallel_chunk_linear_cross_entropy", output="replicate")},
+)

@@ -53,6 +53,9 @@ class Special:
 
     emit: str
     output: str = "annotated"
+    splits_fixed: bool = False
+    """The identifier is `^` (a plain split would be wrong) but this special's local code makes a split
+    on it right (context-parallel attention): only a policy asking for it by name gets it."""
 
 
 @dataclass(frozen=True)

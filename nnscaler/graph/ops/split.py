@@ -23,7 +23,9 @@ class SplitLayouts:
     outputs: list[Layout | None]
 
 
-def _tensor_layout(dims, ident: str, blocks: int, sizes: dict[str, int]) -> Layout | None | str:
+def _tensor_layout(
+    dims, ident: str, blocks: int, sizes: dict[str, int], allow_fixed: bool = False
+) -> Layout | None | str:
     """Shard/Replicate for one tensor, or an error string when the split cannot apply."""
     hits = [(i, d) for i, d in enumerate(dims) if ident in d.ids]
     if not hits:
@@ -32,7 +34,7 @@ def _tensor_layout(dims, ident: str, blocks: int, sizes: dict[str, int]) -> Layo
         return f"identifier {ident!r} appears in two dims of one tensor"
     dim, d = hits[0]
     pos = d.ids.index(ident)
-    if d.flags[pos] == "^":
+    if d.flags[pos] == "^" and not allow_fixed:
         return f"dim {dim} ('{d}') must not be split"
     before = 1
     for sub in d.ids[:pos]:
@@ -40,13 +42,16 @@ def _tensor_layout(dims, ident: str, blocks: int, sizes: dict[str, int]) -> Layo
     return Shard(dim, blocks * before)
 
 
-def split_layouts(bound: BoundAnno, ident: str, ways: int, blocks: int = 1) -> SplitLayouts | str:
-    """Layouts when the op is split `ways` ways on `ident` (each of `blocks` blocks split), or why not."""
+def split_layouts(
+    bound: BoundAnno, ident: str, ways: int, blocks: int = 1, allow_fixed: bool = False
+) -> SplitLayouts | str:
+    """Layouts when the op is split `ways` ways on `ident` (each of `blocks` blocks split), or why not.
+    allow_fixed: split a `^` identifier too (a special whose local code makes it right)."""
     anno = bound.anno
     size = bound.sizes.get(ident)
     if size is None:
         return f"{ident!r} is not an identifier of '{anno}'"
-    if anno.flag_of(ident) == "^":
+    if anno.flag_of(ident) == "^" and not allow_fixed:
         return f"{ident!r} must not be split in '{anno}'"
     if size % (ways * blocks):
         return f"{ident!r} has size {size}, which {ways} devices ({blocks} blocks) do not divide"
@@ -55,7 +60,7 @@ def split_layouts(bound: BoundAnno, ident: str, ways: int, blocks: int = 1) -> S
         if t.dims is None:
             ins.append(None)
             continue
-        lay = _tensor_layout(t.dims, ident, blocks, bound.sizes)
+        lay = _tensor_layout(t.dims, ident, blocks, bound.sizes, allow_fixed)
         if isinstance(lay, str):
             return lay
         ins.append(lay if lay is not None else Replicate())
@@ -65,7 +70,7 @@ def split_layouts(bound: BoundAnno, ident: str, ways: int, blocks: int = 1) -> S
         if t.dims is None:
             outs.append(None)
             continue
-        lay = _tensor_layout(t.dims, ident, blocks, bound.sizes)
+        lay = _tensor_layout(t.dims, ident, blocks, bound.sizes, allow_fixed)
         if isinstance(lay, str):
             return lay
         if lay is None:
@@ -100,10 +105,12 @@ def layouts_for(bound: BoundAnno, rule, ident: str | None, ways: int, blocks: in
             [None if t.dims is None else Replicate() for t in bound.anno.inputs],
             [None if t.dims is None else Replicate() for t in bound.anno.outputs],
         )
-    result = split_layouts(bound, ident, ways, blocks)
+    special = rule.specials.get(ident) if rule is not None else None
+    result = split_layouts(
+        bound, ident, ways, blocks, allow_fixed=special is not None and special.splits_fixed
+    )
     if isinstance(result, str):
         return result
-    special = rule.specials.get(ident) if rule is not None else None
     if special is not None and blocks > 1:
         # the helpers get this rank's contiguous range (vocab_start = rank * size / ways)
         return f"a split on {ident!r} runs {special.emit}, which takes contiguous pieces: blocks must be 1"
