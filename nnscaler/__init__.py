@@ -18,6 +18,7 @@ from nnscaler.runtime import (
     merge_state_dicts,
     uninit,
 )
+from nnscaler.runtime.chunked_loss import chunk_linear_cross_entropy
 from nnscaler.runtime.grads.sync_flags import sync_grad_when
 from nnscaler.version import __version__
 
@@ -39,6 +40,7 @@ __all__ = [
     "broadcast_weights",
     "sync_grad_when",
     "register_op",
+    "chunk_linear_cross_entropy",
     "anchor",
     "constant_folding",
     "no_constant_folding",

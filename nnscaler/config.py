@@ -11,7 +11,10 @@ from typing import Any
 from nnscaler.errors import ConfigError
 from nnscaler.mesh import ParallelDims
 
-__all__ = ["ComputeConfig", "ReuseType", "BroadcastGenFilesStrategy"]
+__all__ = ["ComputeConfig", "ReuseType", "BroadcastGenFilesStrategy", "GRAD_AGGREGATIONS"]
+
+GRAD_AGGREGATIONS = ("mean", "median", "trimmed_mean", "zeno")
+"""Values of `ComputeConfig.grad_aggregation` (docs/faulty_replicas.md)."""
 
 
 class ReuseType(str, Enum):
@@ -87,6 +90,20 @@ class ComputeConfig:
     reduce_grads_in_fp32: bool = field(default=False, kw_only=True)
     """Keep and reduce the gradients of bf16 / fp16 parameters in fp32 (the reducer's buckets); the
     optimizer reads them from `param.main_grad`, so use MixedPrecisionAdam / MixedPrecisionAdamW."""
+    grad_aggregation: str = field(default="mean", kw_only=True)
+    """How the data-parallel replicas' gradients combine (docs/faulty_replicas.md): 'mean' (the all-reduce),
+    or a rule that survives `byzantine_b` faulty replicas: 'median' (coordinate-wise), 'trimmed_mean' (per
+    coordinate, drop the b largest and b smallest values and average the rest) or 'zeno' (score each
+    replica's gradient on a validation micro-batch, average the n - b best). Not with ZeRO-3, zero_ngroups
+    > 1, hierarchical_allreduce=True or pipelines (yet)."""
+    byzantine_b: int = field(default=1, kw_only=True)
+    """Robust modes: replicas suspected faulty in a step. 0 suspects none: every mode is then the mean.
+    median and trimmed_mean need more than 2b replicas, zeno more than b."""
+    zeno_gamma: float = field(default=0.01, kw_only=True)
+    """Zeno: the trial step; a gradient g scores f(x) - f(x - zeno_gamma * g) - zeno_rho * ||g||^2 on the
+    validation micro-batch (about the learning rate)."""
+    zeno_rho: float = field(default=1e-4, kw_only=True)
+    """Zeno: weight of the gradient-norm penalty in the score (below zeno_gamma, or honest gradients score < 0)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan_ngpus, int) or self.plan_ngpus <= 0:
@@ -144,6 +161,36 @@ class ComputeConfig:
                 f"ComputeConfig.zero_ngroups ({self.zero_ngroups}) must divide the number of data-parallel "
                 f"replicas (runtime_ngpus // plan_ngpus = {self.runtime_ngpus // self.plan_ngpus})"
             )
+        self._check_grad_aggregation()
+
+    def _check_grad_aggregation(self) -> None:
+        """`grad_aggregation`, `byzantine_b` and Zeno's knobs: known values, enough replicas, a supported setup."""
+        mode, b, n = self.grad_aggregation, self.byzantine_b, self.runtime_ngpus // self.plan_ngpus
+        if mode not in GRAD_AGGREGATIONS:
+            raise ConfigError(f"ComputeConfig.grad_aggregation must be one of {GRAD_AGGREGATIONS}, got {mode!r}")
+        if not isinstance(b, int) or isinstance(b, bool) or b < 0:
+            raise ConfigError(f"ComputeConfig.byzantine_b must be an int >= 0, got {b!r}")
+        if not self.zeno_gamma > 0 or not self.zeno_rho >= 0:
+            raise ConfigError(
+                f"ComputeConfig.zeno_gamma must be > 0 and zeno_rho >= 0, got {self.zeno_gamma!r}, {self.zeno_rho!r}"
+            )
+        if mode == "mean":
+            return
+        need = b + 1 if mode == "zeno" else 2 * b + 1
+        if b and n < need:
+            raise ConfigError(
+                f"ComputeConfig(grad_aggregation={mode!r}, byzantine_b={b}) needs at least {need} data-parallel "
+                f"replicas ({'n > b' if mode == 'zeno' else 'n > 2b'}), this run has {n} "
+                f"(runtime_ngpus // plan_ngpus); lower byzantine_b or add replicas"
+            )
+        unsupported = [
+            (self.use_zero and self.zero_stage == 3, "ZeRO stage 3 (use zero_stage 1 or 2)"),
+            (self.use_zero and self.zero_ngroups > 1, "zero_ngroups > 1 (use zero_ngroups=1)"),
+            (self.hierarchical_allreduce is True, "hierarchical_allreduce=True (leave it None or False)"),
+        ]
+        for bad, what in unsupported:
+            if bad:
+                raise ConfigError(f"ComputeConfig.grad_aggregation={mode!r} is not supported with {what} yet")
 
     @property
     def dims(self) -> ParallelDims:

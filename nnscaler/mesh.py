@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["ParallelDims", "mesh_axis_groups", "rank_axis_groups"]
+__all__ = ["ParallelDims", "mesh_axis_groups", "rank_axis_groups", "hybrid_cp_subgroups"]
 
 
 @dataclass(frozen=True)
@@ -117,3 +117,13 @@ def rank_axis_groups(tp_group: list[int], mesh: tuple[int, ...], rank: int) -> d
         f"tp_axis{k}": next(g for g in groups if rank in g)
         for k, groups in enumerate(mesh_axis_groups(tp_group, mesh))
     }
+
+
+def hybrid_cp_subgroups(cp_group: list[int], ulysses_size: int) -> list[list[int]]:
+    """Hybrid context parallelism over `cp_group`: its Ulysses groups (consecutive runs of
+    `ulysses_size` of its sorted ranks) and its ring groups (the ranks at one position of every
+    Ulysses group). The runtime's kernels look these up; every rank creates them at init."""
+    ranks = sorted(cp_group)
+    inner = [ranks[i : i + ulysses_size] for i in range(0, len(ranks), ulysses_size)]
+    rings = [ranks[j::ulysses_size] for j in range(ulysses_size)]
+    return inner + rings

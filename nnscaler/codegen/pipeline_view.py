@@ -17,6 +17,7 @@ from nnscaler.codegen.shards_code import frozen_params, shard_lines
 from nnscaler.codegen.view_model import (
     ModuleView,
     StageView,
+    cp_subgroups,
     custom_op_imports,
     end2end_attrs,
     header_lines,
@@ -105,6 +106,8 @@ def _pipeline_init_call(
         all_groups += [
             g for tp in sorted(tp_groups) for axis in mesh_axis_groups(list(tp), mesh) for g in axis
         ]
+    stage_groups = sorted({tuple(layout.tp_group(r)) for r in range(cfg.runtime_ngpus)})
+    all_groups += cp_subgroups([st.program for st in pprog.stages], mesh, [list(g) for g in stage_groups])
     init_call = (
         f"super().__init__(rank={rank}, world_size={cfg.runtime_ngpus}, plan_ngpus={cfg.plan_ngpus}, "
         f"groups={groups}, all_groups={all_groups})"

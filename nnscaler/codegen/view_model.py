@@ -18,7 +18,7 @@ from nnscaler.codegen.shards_code import frozen_params, shard_lines
 from nnscaler.config import ComputeConfig
 from nnscaler.graph.ir import iter_refs
 from nnscaler.graph.ops import op_module
-from nnscaler.mesh import mesh_axis_groups, rank_axis_groups
+from nnscaler.mesh import hybrid_cp_subgroups, mesh_axis_groups, rank_axis_groups
 from nnscaler.partition import Program, Statement
 from nnscaler.partition.context_parallel import CP_CALL
 
@@ -157,10 +157,30 @@ def _init_call(program: Program, cfg: ComputeConfig, rank: int) -> str:
             for axis in mesh_axis_groups(plan, program.mesh)
             for g in axis
         ]
+    all_groups += cp_subgroups([program], program.mesh, cfg.dims.plan_groups())
     return (
         f"super().__init__(rank={rank}, world_size={cfg.runtime_ngpus}, plan_ngpus={cfg.plan_ngpus}, "
         f"groups={json.dumps(groups)}, all_groups={all_groups})"
     )
+
+
+def cp_subgroups(programs: list[Program], mesh: tuple[int, ...], tp_groups: list[list[int]]) -> list:
+    """The Ulysses and ring groups of hybrid context-parallel attention, on every cp group of the job
+    (`dist.new_group` is collective: every rank creates them all at init)."""
+    calls = [
+        s
+        for p in programs
+        for s in p.statements
+        if s.kind == "special" and s.op == CP_CALL and s.kwargs.get("kind") == "hybrid"
+    ]
+    out: list[list[int]] = []
+    for size, axis in sorted(
+        {(s.kwargs["ulysses_size"], getattr(s.kwargs["group"], "axis", -1)) for s in calls}
+    ):
+        for plan in tp_groups:
+            for group in [plan] if axis == -1 else mesh_axis_groups(plan, mesh)[axis]:
+                out += [g for g in hybrid_cp_subgroups(group, size) if g not in out]
+    return out
 
 
 def build_module_view(

@@ -107,15 +107,15 @@ def pas_pp(graph: Graph, cfg: ComputeConfig) -> Plan:
 def pas_hybrid(graph: Graph, cfg: ComputeConfig) -> Plan:
     """Pipeline stages over `pp_size` device groups, each stage split by the `tp` policy inside its group."""
     opts = HybridOptions.from_pas_config(cfg.pas_config, strict=False)
-    nstages = _nstages(opts) or cfg.plan_ngpus
+    cp = context_parallel_of(opts)
+    cp_size = cp.size if cp else 1
+    nstages = _nstages(opts) or cfg.plan_ngpus // cp_size
     pp_size = opts.pp_size or nstages
     if cfg.plan_ngpus % pp_size or nstages % pp_size:
         raise PlanError(
             f"policy 'hybrid': pp_size ({pp_size}) must divide plan_ngpus ({cfg.plan_ngpus}) and "
             f"pipeline_nstages ({nstages})"
         )
-    cp = context_parallel_of(opts)
-    cp_size = cp.size if cp else 1
     if (cfg.plan_ngpus // pp_size) % cp_size:
         raise PlanError(
             f"policy 'hybrid': cp_size ({cp_size}) must divide each stage's devices (plan_ngpus // pp_size = "

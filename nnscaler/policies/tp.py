@@ -77,6 +77,8 @@ class _TpDecider:
             return NodePlan()  # reads a gathered column-parallel output: whole
         if node.op == "aten.embedding.default":
             return self._embedding(node, bound)
+        if node.op == "nnscaler.chunk_linear_cross_entropy.default":  # nnscaler.runtime.chunked_loss
+            return self._chunked_loss(node, bound)
         rule = get_rule(node.op)
         if rule is not None and rule.family == "attention":
             return self._attention(state, node, bound)
@@ -134,6 +136,14 @@ class _TpDecider:
             return NodePlan(note="indices are not token ids from the forward's inputs: kept whole")
         if not isinstance(split_layouts(bound, "v", self.ways), str):
             return NodePlan("v", self.ways, note="vocab-parallel")
+        return NodePlan(note=f"vocabulary cannot be split {self.ways} ways: kept whole")
+
+    def _chunked_loss(self, node: Node, bound: BoundAnno) -> NodePlan | None:
+        """The LM head inside a chunked linear + cross-entropy: split its vocabulary (weight rows)."""
+        if self.graph.values[tensor_refs(self.graph, node)[1].name].kind != "param":
+            return None
+        if not isinstance(split_layouts(bound, "v", self.ways), str):
+            return NodePlan("v", self.ways, note="vocab-parallel chunked linear + cross-entropy")
         return NodePlan(note=f"vocabulary cannot be split {self.ways} ways: kept whole")
 
     def _attention(self, state: PropagationState, node: Node, bound: BoundAnno) -> NodePlan | None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nnscaler.runtime.chunked_loss import vocab_parallel_chunk_linear_cross_entropy
 from nnscaler.runtime.shard import shard_slice
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "batch_parallel_cross_entropy",
     "batch_vocab_parallel_cross_entropy",
+    "vocab_parallel_chunk_linear_cross_entropy",  # defined in nnscaler.runtime.chunked_loss
 ]
 
 Group = dist.ProcessGroup | None

@@ -41,10 +41,11 @@ def mse(call: OpCall) -> str:
 
 
 # nnscaler.runtime.chunked_loss: per-token losses of hidden @ weight.T without whole logits; split on
-# the tokens as is, on the vocabulary (the weight's rows) by the vocab-parallel chunked kernel
+# the tokens as is, on the vocabulary (the weight's rows, reduced over like embedding's) by the
+# vocab-parallel chunked kernel, whose result is whole on every rank
 fixed(
     "nnscaler.chunk_linear_cross_entropy.default",
     "loss",
-    "n k^, v k^, n -> n",
+    "n k^, v+ k^, n -> n",
     specials={"v": Special("vocab_parallel_chunk_linear_cross_entropy", output="replicate")},
 )

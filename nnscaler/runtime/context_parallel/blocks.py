@@ -1,0 +1,157 @@
+"""Attention on one (query block, key block) pair in plain torch: scores and a numerically stable
+softmax in float32 (float64 for float64 inputs), returning the output and the log-sum-exp of each
+row; the log-sum-exp merge of partial results; and the matching flash-attention-style backward
+that recomputes the probabilities from the saved log-sum-exp.
+
+Fully masked rows give output 0 and log-sum-exp -inf (torch's SDPA also returns 0 there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nnscaler.runtime.context_parallel.layout import BlockPair, Seg
+
+__all__ = [
+    "acc_dtype",
+    "expand_kv",
+    "reduce_kv",
+    "take_rows",
+    "add_rows",
+    "pair_masks",
+    "block_forward",
+    "block_backward",
+    "merge_into",
+]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype blocks accumulate in: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """GQA: repeat each K/V head `groups` times (query head h reads kv head h // groups)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+
+
+def reduce_kv(dx: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of `expand_kv`: sum over the copies of each kv head."""
+    return dx if groups == 1 else dx.unflatten(-3, (-1, groups)).sum(-3)
+
+
+def _merged(segs: tuple[Seg, ...]) -> list[Seg]:
+    out: list[Seg] = []
+    for start, length in segs:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((start, length))
+    return out
+
+
+def take_rows(x: torch.Tensor, segs: tuple[Seg, ...], dim: int = -2) -> torch.Tensor:
+    """The rows `segs` ((start, length) along `dim`) of `x`, concatenated (a view when adjacent)."""
+    parts = [x.narrow(dim, start, length) for start, length in _merged(segs)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def add_rows(acc: torch.Tensor, segs: tuple[Seg, ...], value: torch.Tensor) -> None:
+    """`acc[rows of segs] += value` (value holds those rows concatenated), in place."""
+    at = 0
+    for start, length in _merged(segs):
+        acc.narrow(-2, start, length).add_(value.narrow(-2, at, length))
+        at += length
+
+
+def pair_masks(
+    mask: torch.Tensor | None, pair: BlockPair, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(allowed, bias) for a block pair: `allowed` is a bool mask (user bool mask and causal),
+    `bias` the user's float mask; either may be None. `mask` has this rank's rows (or one row)
+    in local order and all columns (or one column)."""
+    allowed, bias = None, None
+    if mask is not None:
+        m = mask
+        if m.shape[-2] != 1:
+            m = m.narrow(-2, *pair.q_local)
+        if m.shape[-1] != 1:
+            m = take_rows(m, pair.kv_global, dim=-1)
+        allowed, bias = (m, None) if m.dtype == torch.bool else (None, m)
+    if pair.causal:
+        q_pos = torch.arange(pair.q_global[0], sum(pair.q_global), device=device)
+        k_pos = torch.cat([torch.arange(s, s + n, device=device) for s, n in pair.kv_global])
+        causal = k_pos[None, :] <= q_pos[:, None]
+        allowed = causal if allowed is None else allowed & causal
+    return allowed, bias
+
+
+def _scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    allowed: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    dt = acc_dtype(q.dtype)
+    s = torch.matmul(q.to(dt), k.to(dt).transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.to(dt)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    return s
+
+
+def block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    allowed: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale + bias, masked to `allowed`) v, and the rows' log-sum-exp (acc dtype).
+    k and v have as many heads as q (see `expand_kv`)."""
+    s = _scores(q, k, scale, allowed, bias)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    total = p.sum(-1, keepdim=True)
+    out = torch.matmul(p, v.to(s.dtype)) / torch.where(total > 0, total, torch.ones_like(total))
+    return out, (m + torch.log(total)).squeeze(-1)
+
+
+def block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    allowed: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    dout: torch.Tensor,
+    delta: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one block, given the final rows' log-sum-exp `lse` and
+    `delta` = rowsum(dout * out) of the final output (dout, delta, lse in the acc dtype)."""
+    s = _scores(q, k, scale, allowed, bias)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(s - safe.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    dp = torch.matmul(dout, v.to(s.dtype).transpose(-1, -2))
+    ds = p * (dp - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, k.to(s.dtype)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(s.dtype)) * scale
+    return dq, dk, dv
+
+
+def merge_into(
+    out_acc: torch.Tensor, lse_acc: torch.Tensor, rows: Seg, out: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """Merge a partial result (out, lse) for local rows `rows` into the accumulators, in place."""
+    o_acc, l_acc = out_acc.narrow(-2, *rows), lse_acc.narrow(-1, *rows)
+    new = torch.logaddexp(l_acc, lse)
+    safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+    w_old, w_new = torch.exp(l_acc - safe).unsqueeze(-1), torch.exp(lse - safe).unsqueeze(-1)
+    o_acc.copy_(o_acc * w_old + out * w_new)
+    l_acc.copy_(new)
