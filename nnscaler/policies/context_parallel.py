@@ -18,6 +18,7 @@ from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph, Node, Shard, iter_refs
 from nnscaler.graph.ops import BoundAnno, annotate_node, get_rule, layouts_for, mesh_layouts_for
 from nnscaler.graph.ops.attention import CONTEXT_PARALLEL_ATTENTION
+from nnscaler.policies.cp_schedule import check_ring_nccl
 from nnscaler.policies.options import ContextParallelOptions
 from nnscaler.policies.plan import CP_KINDS, ContextParallel, NodePlan, Plan
 from nnscaler.policies.propagate import PropagationState, propagate
@@ -168,6 +169,8 @@ def with_context_parallel(graph: Graph, tp_plan: Plan, cp: ContextParallel) -> P
     stage mesh becomes (cp, tp), or the sequence alone when the tp plan has one device per stage."""
     length = _sequence_length(graph)
     _check_kind(graph, cp, tp_plan, length)
+    if cp.kind != "ulysses":  # the ring's P2P order, under NCCL's rules (cp_schedule.py)
+        check_ring_nccl(cp.size // cp.ulysses_size, len(attention_nodes(graph)))
     seq = sequence_plans(graph, cp.size)
     tp_size = tp_plan.tp_size
     notes = (*tp_plan.notes, f"{cp.describe()} over mesh axis 0" if tp_size > 1 else cp.describe())

@@ -135,6 +135,8 @@ class Bucket:
         """Launched since the end of the reducer's last `sync`."""
         self.dirty = False
         """New local gradients arrived since the last launch."""
+        self.prepared = False
+        """`prepare` ran since the last launch: the bucket holds this rank's divided contribution."""
 
     # ---- layout -----------------------------------------------------------------------------------------
 
@@ -260,16 +262,14 @@ class Bucket:
 
     # ---- reduction ---------------------------------------------------------------------------------------
 
-    def launch(self, group: dist.ProcessGroup, scatter: bool) -> None:
-        """Start reducing the bucket over `group` asynchronously: divide by `divisor`, then sum.
-
-        Gradients are divided when they enter the bucket (one pass with the copy) or here. Dividing
-        first keeps the values in range and makes a reduction of an already reduced bucket plus new
-        local gradients (gradient accumulation without `no_sync`) come out right.
-        `scatter`: reduce-scatter, this rank keeps its `own` slice; otherwise all-reduce in place.
-        """
-        self.materialize()
+    def prepare(self) -> torch.Tensor:
+        """Bring every gradient in and divide the bucket by `divisor` (once until the next launch): what
+        this rank contributes to the reduction. Returns `grads` (robust aggregation and fault injection
+        read and change it between this and `launch`)."""
         grads = self._ensure_grads()
+        if self.prepared:
+            return grads
+        self.materialize()
         if not any(self.scaled):  # all accumulated in place (gradients as bucket views): one pass
             grads.div_(self.divisor)
         else:
@@ -277,7 +277,25 @@ class Bucket:
                 if not scaled:
                     view.div_(self.divisor)
         self.scaled = [False] * len(self.params)  # what comes back is reduced, not divided
-        if scatter:
+        self.prepared = True
+        return grads
+
+    def launch(
+        self, group: dist.ProcessGroup, scatter: bool, start: Callable[[Bucket], Any] | None = None
+    ) -> None:
+        """Start reducing the bucket over `group` asynchronously: divide by `divisor`, then sum.
+
+        Gradients are divided when they enter the bucket (one pass with the copy) or here. Dividing
+        first keeps the values in range and makes a reduction of an already reduced bucket plus new
+        local gradients (gradient accumulation without `no_sync`) come out right.
+        `scatter`: reduce-scatter, this rank keeps its `own` slice; otherwise all-reduce in place.
+        `start`: launch this collective instead (robust aggregation; it returns the work to wait for).
+        """
+        grads = self.prepare()
+        self.prepared = False
+        if start is not None:
+            self.works.append(start(self))
+        elif scatter:
             lo, hi = self.own
             if self._scatter_out is None:
                 self._scatter_out = torch.empty_like(grads[lo:hi])
@@ -308,14 +326,18 @@ class Bucket:
         self.works.append(dist.all_reduce(self._scatter_out, group=group, async_op=True))
         self.phase = 2
 
-    def finish(self, scatter: bool) -> None:
+    def finish(self, scatter: bool, take: Callable[[Bucket], torch.Tensor | None] | None = None) -> None:
         """Wait for the reduction and take its result in. All-reduce: the bucket holds it (and stays the
         base further local gradients are added to). Reduce-scatter: the slice is added to `shard_grads`
-        and the bucket is emptied (what remains there is consumed; a transient bucket is freed)."""
+        and the bucket is emptied (what remains there is consumed; a transient bucket is freed).
+        `take` (robust aggregation, after the wait): computes the result; returns the owned slice when
+        `scatter`, else writes the whole bucket."""
         if self.phase == 0:
             return
         self.wait()
         self.phase = 0
+        if take is not None:
+            self._scatter_out = take(self)
         if not scatter:
             return
         assert self._scatter_out is not None
@@ -367,7 +389,7 @@ class Bucket:
             self._scatter_out = self.shard_grads  # reuse the memory
         self.shard_grads = None
         self.phase = 0
-        self.reduced = self.dirty = False
+        self.reduced = self.dirty = self.prepared = False
         self._release_grads()
 
     def zero_views(self) -> None:
@@ -378,7 +400,7 @@ class Bucket:
         self.arrived = [False] * len(self.params)
         self.narrived = 0
         self.phase = 0
-        self.reduced = self.dirty = False
+        self.reduced = self.dirty = self.prepared = False
         self.expose()
 
     # ---- ZeRO parameters ------------------------------------------------------------------------------------
