@@ -149,24 +149,30 @@ def _check_kind(graph: Graph, cp: ContextParallel, tp_plan: Plan, length: int) -
             )
 
 
-def _combine(node: Node, graph: Graph, seq: NodePlan, tp: NodePlan, mesh: tuple[int, int]) -> NodePlan:
+def _combine(node: Node, graph: Graph, seq: NodePlan, tp: NodePlan, mesh: tuple[int, ...]) -> NodePlan:
+    """The node's sequence split on mesh axis 0 and its tp plan's splits (1-D or per axis) on the rest;
+    the tp splits alone where both cannot hold at once (the sequence is then gathered for it)."""
     seq_split = (seq.split, seq.blocks) if seq.is_split else (None, 1)
-    tp_split = (tp.split, tp.blocks) if tp.is_split else (None, 1)
-    if seq_split[0] is None and tp_split[0] is None:
+    if tp.mesh_splits:
+        tp_splits = tuple(tp.mesh_splits)
+    else:
+        tp_splits = ((tp.split, tp.blocks) if tp.is_split else (None, 1),)
+    if seq_split[0] is None and all(ident is None for ident, _ in tp_splits):
         return NodePlan(note=tp.note)
-    if seq_split[0] == tp_split[0]:
+    if seq_split[0] in {ident for ident, _ in tp_splits}:
         seq_split = (None, 1)
     bound = annotate_node(node, graph)
-    splits = (seq_split, tp_split)
+    splits = (seq_split, *tp_splits)
     if bound is None or isinstance(mesh_layouts_for(bound, get_rule(node.op), splits, mesh), str):
-        splits = ((None, 1), tp_split)
+        splits = ((None, 1), *tp_splits)
     notes = "; ".join(n for n in (seq.note if splits[0][0] else "", tp.note) if n)
     return NodePlan(note=notes, mesh_splits=splits)
 
 
 def with_context_parallel(graph: Graph, tp_plan: Plan, cp: ContextParallel) -> Plan:
-    """`tp_plan` (split over each stage's tp devices) with the sequence split over `cp.size` more: the
-    stage mesh becomes (cp, tp), or the sequence alone when the tp plan has one device per stage."""
+    """`tp_plan` (split over each stage's tp devices, 1-D or on its own mesh) with the sequence split over
+    `cp.size` more: the stage mesh becomes (cp, *tp mesh), or the sequence alone when the tp plan has one
+    device per stage."""
     length = _sequence_length(graph)
     _check_kind(graph, cp, tp_plan, length)
     if cp.kind != "ulysses":  # the ring's P2P order, under NCCL's rules (cp_schedule.py)
@@ -184,7 +190,7 @@ def with_context_parallel(graph: Graph, tp_plan: Plan, cp: ContextParallel) -> P
             tp_plan.pipeline,
             context_parallel=cp,
         )
-    mesh = (cp.size, tp_size)
+    mesh = (cp.size, *(tp_plan.mesh or (tp_size,)))
     nodes = {n.name: _combine(n, graph, seq[n.name], tp_plan.node(n.name), mesh) for n in graph.nodes}
     return Plan(
         tp_plan.policy,

@@ -90,7 +90,9 @@ def _pairs(spec: RingSpec, pos: int, src: int) -> list[BlockPair]:
     return block_pairs(spec.layout[pos], spec.layout[src], spec.causal)
 
 
-def _kv_block(kb: torch.Tensor, vb: torch.Tensor, pair: BlockPair, gqa: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _kv_block(
+    kb: torch.Tensor, vb: torch.Tensor, pair: BlockPair, gqa: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     return expand_kv(take_rows(kb, pair.kv_local), gqa), expand_kv(take_rows(vb, pair.kv_local), gqa)
 
 

@@ -82,4 +82,6 @@ def local_attention(
         mask = mask & tril if mask.dtype == torch.bool else mask.masked_fill(~tril, float("-inf"))
         causal = False
     gqa = q.shape[-3] != k.shape[-3]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+    )

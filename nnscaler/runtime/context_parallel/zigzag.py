@@ -82,9 +82,7 @@ def to_zigzag(
     widths = [r[0].numel() for r in rows]
     packed = torch.cat([r.reshape(r.shape[0], -1) for r in rows], dim=1)
     moved = redistribute(packed, src, dst, group, dim=0)
-    q, k, v = (
-        part.reshape(r.shape).movedim(0, -2) for part, r in zip(moved.split(widths, dim=1), rows)
-    )
+    q, k, v = (part.reshape(r.shape).movedim(0, -2) for part, r in zip(moved.split(widths, dim=1), rows))
     if mask is not None and mask.shape[-2] != 1:
         mask = redistribute(mask, src, dst, group, dim=-2)
     return q, k, v, mask
