@@ -61,7 +61,9 @@ def build_llama_long(seed: int = 0):
 def build_gpt_long(seed: int = 0):
     from examples.nanogpt.model import GPT, GPTConfig
 
-    config = GPTConfig(block_size=4 * SEQ, vocab_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.0, bias=True)
+    config = GPTConfig(
+        block_size=4 * SEQ, vocab_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.0, bias=True
+    )
     torch.manual_seed(seed)
     return GPT(config).train(), _tokens(config.vocab_size, SEQ, "idx", "targets", shift=True)
 
@@ -105,7 +107,9 @@ class PackedLM(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
         doc = (position_ids == 0).cumsum(-1)  # document index of every token
         s = input_ids.shape[1]
         causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()
@@ -168,11 +172,12 @@ class ChunkedLossLM(nn.Module):
         for block in self.blocks:
             x = block(x, positions, mask)
         hidden = self.norm(x).reshape(-1, x.shape[-1])
-        losses = nnscaler.chunk_linear_cross_entropy(hidden, self.head.weight, labels.reshape(-1), chunk_size=self.chunk)
+        losses = nnscaler.chunk_linear_cross_entropy(
+            hidden, self.head.weight, labels.reshape(-1), chunk_size=self.chunk
+        )
         return losses.mean()
 
 
 def build_chunked_loss_long(seed: int = 0):
     torch.manual_seed(seed)
     return ChunkedLossLM().train(), _tokens(256, SEQ, "input_ids", "labels", shift=True)
-

@@ -30,10 +30,12 @@ def context_parallel_statement(
     runs the special; other axes (heads, batch) only make the local tensors smaller."""
     axes = [k for k, sp in specials.items() if sp.emit == CONTEXT_PARALLEL_ATTENTION]
     options = _sdpa_options(args, kwargs)
-    if options.get("dropout_p"):
+    dropout = options.get("dropout_p")
+    dropout = getattr(dropout, "train", dropout)  # a ModeValue: the training value
+    if dropout:
         raise PartitionError(
             f"node {node.name} ({node.op}) at {node.source or 'an unknown line'}: attention dropout "
-            f"(p={options['dropout_p']}) under context parallelism is not supported; set the attention "
+            f"(p={dropout}) under context parallelism is not supported; set the attention "
             "dropout to 0 (e.g. config.attention_dropout = 0.0) or plan without cp_size"
         )
     cp = plan.context_parallel or ContextParallel(dict(split_axes)[axes[0]][1])
