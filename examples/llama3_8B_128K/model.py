@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import nnscaler
 from examples.llama3_8B_128K.data import IGNORE_INDEX
 
 LLAMA3_8B_ID = "meta-llama/Meta-Llama-3-8B"
@@ -96,9 +97,15 @@ class LlamaLM(torch.nn.Module):
     """`LlamaForCausalLM` whose forward returns the mean next-token loss."""
 
     def __init__(
-        self, model_id: str, config: dict | None = None, seq_len: int | None = None, meta: bool = False
+        self,
+        model_id: str,
+        config: dict | None = None,
+        seq_len: int | None = None,
+        meta: bool = False,
+        chunk_loss: bool = False,
     ):
         super().__init__()
+        self.chunk_loss = chunk_loss
         if config is not None:  # resolved once by train.py (no second fetch on every rank)
             config = LlamaConfig.from_dict(config)
             config._attn_implementation = "sdpa"
@@ -115,6 +122,15 @@ class LlamaLM(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         hidden = self.model.model(input_ids=input_ids).last_hidden_state
+        if self.chunk_loss:  # --enable_chunk_loss: per-token losses over chunks, logits never whole
+            flat = labels.reshape(-1)
+            losses = nnscaler.chunk_linear_cross_entropy(
+                hidden.reshape(-1, hidden.shape[-1]),
+                self.model.lm_head.weight,
+                flat,
+                ignore_index=IGNORE_INDEX,
+            )
+            return losses.sum() / (flat != IGNORE_INDEX).sum().clamp(min=1)
         logits = self.model.lm_head(hidden)
         loss = F.cross_entropy(
             logits.float().view(-1, self.vocab_size),

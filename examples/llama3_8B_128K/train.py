@@ -68,6 +68,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--mem_constraint", type=float, default=None, help="autodist: GB per device a plan may use"
     )
+    p.add_argument(
+        "--context_parallel",
+        default="off",
+        choices=["off", "auto", "zigzag", "ring", "ulysses", "hybrid"],
+        help="split the sequence over devices (docs/context_parallel.md): a kind, or auto (autodist chooses "
+        "degree and kind); tp / hybrid policies need --cp_size",
+    )
+    p.add_argument(
+        "--cp_size", type=int, default=None, help="context-parallel devices (default: autodist searches it)"
+    )
+    p.add_argument(
+        "--enable_chunk_loss",
+        action="store_true",
+        help="LM head + loss over sequence chunks with recompute: the logits never exist whole",
+    )
     p.add_argument("--recompute_modules", default=None, help="e.g. LlamaDecoderLayer (comma-separated)")
     p.add_argument("--grad_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--micro_batch_size", type=int, default=1)
@@ -108,6 +123,7 @@ def pas_config(args: argparse.Namespace) -> dict:
             cfg["cluster"] = args.cluster
         if args.mem_constraint:
             cfg["mem_constraint"] = args.mem_constraint
+    cfg.update(context_parallel_config(args))
     pipelined = bool(args.pipeline_pivots) or args.policy in ("pp", "hybrid")
     if args.pipeline_pivots and args.policy not in PIPELINE_POLICIES and "." not in args.policy:
         raise SystemExit(f"--pipeline_pivots needs --policy autodist, pp or hybrid, not {args.policy!r}")
@@ -120,6 +136,22 @@ def pas_config(args: argparse.Namespace) -> dict:
             cfg["pipeline_nstages"] = int(args.pipeline_nstages)
     elif args.policy == "autodist":
         cfg["pipeline_nstages"] = 1
+    return cfg
+
+
+def context_parallel_config(args: argparse.Namespace) -> dict:
+    """cp_size / cp_kind from --context_parallel and --cp_size (autodist searches what is not given)."""
+    if args.context_parallel == "off":
+        if args.cp_size not in (None, 1):
+            raise SystemExit("--cp_size needs --context_parallel (a kind, or auto)")
+        return {"cp_size": 1} if args.policy == "autodist" else {}
+    cfg: dict = {} if args.context_parallel == "auto" else {"cp_kind": args.context_parallel}
+    if args.cp_size:
+        cfg["cp_size"] = args.cp_size
+    elif args.policy != "autodist":
+        raise SystemExit(f"--context_parallel with --policy {args.policy} needs --cp_size")
+    if args.policy == "autodist" and args.context_parallel == "auto":
+        cfg.update(cp_size=args.cp_size or "auto", cp_kind="auto")
     return cfg
 
 
@@ -150,7 +182,12 @@ def trainer_args(args: argparse.Namespace, config: dict, seq_len: int, runtime: 
         "precision": args.precision,
         "model": {
             "type": "examples.llama3_8B_128K.model.LlamaLM",
-            "args": {"model_id": args.model_id, "config": config, "meta": compile_mode},
+            "args": {
+                "model_id": args.model_id,
+                "config": config,
+                "meta": compile_mode,
+                "chunk_loss": args.enable_chunk_loss,
+            },
         },
         "optimizer": {
             "type": "torch.optim.AdamW",

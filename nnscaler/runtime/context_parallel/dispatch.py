@@ -124,4 +124,14 @@ def context_parallel_attention(
     _check_mask(attn_mask, q, q.shape[-2] * n)
     plan = _check_plan(kind, n, ulysses_size, q.shape[-3], q.shape[-2], is_causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return hybrid_attention(q, k, v, attn_mask, causal=is_causal, scale=scale, group=group, plan=plan)
+    out = hybrid_attention(q, k, v, attn_mask, causal=is_causal, scale=scale, group=group, plan=plan)
+    return _sdpa_strides(out)
+
+
+def _sdpa_strides(out: torch.Tensor) -> torch.Tensor:
+    """The output laid out as torch's fused SDPA kernels lay theirs, (..., S, H, E) in memory: the
+    traced program was captured with those strides, so `out.transpose(1, 2).view(b, s, h * e)` there
+    needs no copy and export dropped the `.contiguous()` before it (nanoGPT's attention does this)."""
+    if out.dim() < 3:
+        return out
+    return out.transpose(-3, -2).contiguous().transpose(-3, -2)
