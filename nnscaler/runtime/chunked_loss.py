@@ -45,7 +45,9 @@ def _check(name: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
         raise ValueError(f"{name}: chunk_size must be a positive number of rows, got {chunk}")
 
 
-def _targets(labels: torch.Tensor, vocab_start: int, rows: int, ignore_index: int) -> tuple[torch.Tensor, ...]:
+def _targets(
+    labels: torch.Tensor, vocab_start: int, rows: int, ignore_index: int
+) -> tuple[torch.Tensor, ...]:
     """(valid, mine, local target): rows not ignored, rows whose target is in this vocabulary slice,
     and the target's index in the slice (0 where it is not)."""
     valid = labels != ignore_index
@@ -105,8 +107,11 @@ def _backward(
         stop = start + chunk_size
         h, t = hidden[start:stop], labels[start:stop]
         x = (h @ weight.T).to(acc)
-        row_lse = torch.logsumexp(x, dim=-1) if lse is None else lse[start:stop]
-        g = x.sub_(row_lse.unsqueeze(-1)).exp_()  # softmax, in place of the logits
+        if lse is None:  # softmax in place of the logits (logsumexp would hold a second block)
+            g = x.sub_(x.max(dim=-1, keepdim=True).values).exp_()
+            g.div_(g.sum(dim=-1, keepdim=True))
+        else:
+            g = x.sub_(lse[start:stop].unsqueeze(-1)).exp_()
         valid, mine, local_t = _targets(t, vocab_start, weight.shape[0], ignore_index)
         g.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(acc).unsqueeze(-1))
         g.mul_((grad[start:stop] * valid).unsqueeze(-1))
@@ -116,6 +121,7 @@ def _backward(
             d_weight.addmm_(g.T, h)
         else:
             d_weight.add_(g.T @ h)
+        del x, g  # before the next chunk's logits exist
     return d_hidden, d_weight.to(weight.dtype)
 
 

@@ -516,3 +516,13 @@ COMPUTE_CASES: dict[str, Maker] = {
     for op, maker in table.items()
 }
 COMPUTE_CASES["transformers.grouped_mm_fallback.default"] = _grouped_mm(torch.float64, 12, fallback=True)
+
+
+def _chunk_linear_ce(d: Draw) -> list[tuple]:
+    """nnscaler.runtime.chunked_loss: chunks smaller than the tokens, and one chunk for all of them."""
+    n, k, v = d.n(), d.n(), d.big()
+    h, w, t = d.f(n, k), d.f(v, k), _targets(d, v, n)
+    return [(h, w, t, -100, 4), (h, w, t.masked_fill(t < 0, 3), 3, n)]
+
+
+COMPUTE_CASES["nnscaler.chunk_linear_cross_entropy.default"] = cases(_chunk_linear_ce)

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import nnscaler.runtime.chunked_loss as chunked_loss
 import nnscaler.runtime.comm as comm
 import nnscaler.runtime.rng as rng
 from nnscaler.graph.ir import Graph, GraphBuilder, Node, Partial, Ref, Replicate, Shard, TensorMeta, Value
@@ -354,6 +355,7 @@ def sim_dist(monkeypatch):
     """Ranks in this process; the default generator and thread count as they were afterwards (one
     intra-op thread: the tensors are tiny, and idle OpenMP workers cost more than they give)."""
     monkeypatch.setattr(comm, "dist", _SimDist())
+    monkeypatch.setattr(chunked_loss, "dist", comm.dist)  # its vocab-parallel kernel's collectives
     monkeypatch.setattr(rng, "_GENERATORS", {})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
