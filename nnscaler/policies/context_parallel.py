@@ -21,7 +21,7 @@ from nnscaler.graph.ops.attention import CONTEXT_PARALLEL_ATTENTION
 from nnscaler.policies.cp_schedule import check_ring_nccl
 from nnscaler.policies.options import ContextParallelOptions
 from nnscaler.policies.plan import CP_KINDS, ContextParallel, NodePlan, Plan
-from nnscaler.policies.propagate import PropagationState, propagate
+from nnscaler.policies.propagate import PropagationState, best_follow, propagate
 
 __all__ = ["context_parallel_of", "sequence_plans", "with_context_parallel", "attention_nodes"]
 
@@ -106,7 +106,29 @@ class _SequenceDecider:
             ident = t.dims[dims[0]].ids[0]
             if not isinstance(layouts_for(bound, rule, ident, self.ways), str):
                 return NodePlan(ident, self.ways, note=f"context parallel: sequence of {ref.name}")
-        return None
+        return self._follow(state, node, bound, rule)
+
+    def _follow(self, state: PropagationState, node: Node, bound: BoundAnno, rule) -> NodePlan | None:
+        """As propagation would, except a sequence shard merged after a size that may change between
+        calls (the batch of `(b s)`): its block count would be that size as traced, so the sequence is
+        gathered first."""
+        plan = best_follow(state, node, bound, allow_p2s=True)
+        if not plan.is_split:
+            return plan
+        lay = layouts_for(bound, rule, plan.split, plan.ways, plan.blocks)
+        for out, olay in zip(node.outputs, [] if isinstance(lay, str) else lay.outputs):
+            meta = self.graph.values[out].meta
+            if (
+                isinstance(olay, Shard)
+                and olay.blocks > 1
+                and meta is not None
+                and meta.sym
+                and meta.sym[olay.dim]
+            ):
+                return NodePlan(
+                    note="context parallel: sequence gathered before it is merged with a dynamic dim"
+                )
+        return plan
 
     def bind(self, attention: list[Node]) -> _SequenceDecider:
         self._attention = {n.name for n in attention}
