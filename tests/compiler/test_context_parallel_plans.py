@@ -132,3 +132,18 @@ def test_a_misordered_ring_is_caught():
     with pytest.raises(PlanError, match="would hang on NCCL"):
         check_ring_nccl(4, 1, bad)
     assert all(isinstance(s, (Send, Post, Wait, Batch)) for p in ring_programs(3, 2) for s in p)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_plan_time_ring_program_is_what_the_runtime_kernel_issues(n):
+    """The simulator checks the compiler's description; the kernel issues the runtime's: they agree."""
+    from nnscaler.runtime.context_parallel import hybrid_subgroups, ring_p2p_steps
+
+    for p, program in enumerate(ring_programs(n, calls=1)):
+        ops = [op for step in program for op in (step.ops if isinstance(step, Batch) else (step,))]
+        planned = [
+            ("send" if isinstance(op, Send) else "recv", op.peer) for op in ops if not isinstance(op, Wait)
+        ]
+        issued = [(op, peer) for op, peer, _ in ring_p2p_steps(n, "ring")[p]]
+        assert planned == issued
+    assert hybrid_subgroups(list(range(8)), 2) == hybrid_cp_subgroups(list(range(8)), 2)
