@@ -1,6 +1,7 @@
 """Peak activation memory per rank under context parallelism vs one device, at the same sequence. Prints JSON.
 
-A Llama (HF, sdpa, grouped-query attention) is compiled twice: `dp` on one process (cp 1), and `tp` with
+A Llama (HF, sdpa, grouped-query attention; the forward returns the mean token loss, as
+examples/llama3_8B_128K trains it) is compiled twice: `dp` on one process (cp 1), and `tp` with
 `pas_config={"cp_size": N, "cp_kind": KIND}` on N gloo processes (spawned here, FileStore rendezvous).
 Each runs one training forward + backward of one sequence of --seq tokens; the peak is `LiveBytes`
 (benchmarks/forward_memory.py): the bytes of tensor storages created during the step and alive at once
@@ -30,6 +31,19 @@ from benchmarks.common import load_note  # noqa: E402
 from benchmarks.forward_memory import live_peak  # noqa: E402
 
 
+class LossOnly(torch.nn.Module):
+    """The model's mean token loss only, as examples/llama3_8B_128K trains it (no logits returned whole)."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = self.lm.model(input_ids=input_ids).last_hidden_state
+        logits = self.lm.lm_head(hidden)
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+
+
 def build(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -47,7 +61,7 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.Te
     )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).train()
+    model = LossOnly(LlamaForCausalLM(cfg)).train()
     tokens = torch.randint(0, args.vocab, (2, 1, args.seq), generator=torch.Generator().manual_seed(1))
     return model, {"input_ids": tokens[0], "labels": tokens[1]}
 
@@ -57,9 +71,9 @@ def step_peak(pm: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[int,
     losses: list[float] = []
 
     def step():
-        loss = pm(**batch).loss
+        loss = pm(**batch)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
 
     step()  # warm-up: lazy state (groups, reducer) outside the measurement
     pm.zero_grad(set_to_none=True)
@@ -70,8 +84,7 @@ def step_peak(pm: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[int,
 def worker(rank: int, world: int, tmp: str, args: argparse.Namespace) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(args.threads)
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store{world}", rank=rank, world_size=world)
     import nnscaler
     from nnscaler import ComputeConfig
 
@@ -85,14 +98,13 @@ def worker(rank: int, world: int, tmp: str, args: argparse.Namespace) -> None:
     peak, loss = step_peak(pm, batch)
     with open(os.path.join(tmp, f"rank{world}_{rank}.json"), "w") as f:
         json.dump({"peak": peak, "loss": loss}, f)
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    dist.barrier()
+    nnscaler.uninit()
 
 
 def _run(world: int, tmp: str, args: argparse.Namespace) -> list[dict]:
     if world == 1:
-        worker(0, 1, tmp, args)
+        mp.start_processes(worker, args=(1, tmp, args), nprocs=1, start_method="spawn")
     else:
         mp.start_processes(worker, args=(world, tmp, args), nprocs=world, start_method="spawn")
     out = []
