@@ -100,7 +100,7 @@ class ComputeConfig:
     """Robust modes: replicas suspected faulty in a step. 0 suspects none: every mode is then the mean.
     median and trimmed_mean need more than 2b replicas, zeno more than b."""
     zeno_gamma: float = field(default=0.01, kw_only=True)
-    """Zeno: the trial step; a gradient g scores f(x) - f(x - zeno_gamma * g) - zeno_rho * ||g||^2 on the
+    """Zeno: the trial step; a gradient g scores f(x) - f(x - zeno_gamma * g) - zeno_rho * sum(g^2) on the
     validation micro-batch (about the learning rate)."""
     zeno_rho: float = field(default=1e-4, kw_only=True)
     """Zeno: weight of the gradient-norm penalty in the score (below zeno_gamma, or honest gradients score < 0)."""
@@ -167,7 +167,9 @@ class ComputeConfig:
         """`grad_aggregation`, `byzantine_b` and Zeno's knobs: known values, enough replicas, a supported setup."""
         mode, b, n = self.grad_aggregation, self.byzantine_b, self.runtime_ngpus // self.plan_ngpus
         if mode not in GRAD_AGGREGATIONS:
-            raise ConfigError(f"ComputeConfig.grad_aggregation must be one of {GRAD_AGGREGATIONS}, got {mode!r}")
+            raise ConfigError(
+                f"ComputeConfig.grad_aggregation must be one of {GRAD_AGGREGATIONS}, got {mode!r}"
+            )
         if not isinstance(b, int) or isinstance(b, bool) or b < 0:
             raise ConfigError(f"ComputeConfig.byzantine_b must be an int >= 0, got {b!r}")
         if not self.zeno_gamma > 0 or not self.zeno_rho >= 0:

@@ -352,6 +352,9 @@ class Trainer:
             "train/step_time": wall,
             "train/samples_per_sec": count * args.micro_batch_size / max(wall, 1e-9),
         }
+        for m in self.model.modules():  # robust grad_aggregation: steps each replica was dropped in
+            if isinstance(m, ParallelModule) and m.aggregation_stats is not None:
+                metrics.update(m.aggregation_stats.as_metrics())
         hook.before_log_train_metrics(self, metrics, agg)
         self.log_metrics(metrics, status["step"])
         self.progress.update(status["step"], loss, metrics["train/samples_per_sec"])

@@ -15,6 +15,7 @@ import torch
 
 from nnscaler.codegen import generate_code, write_atomic
 from nnscaler.config import ComputeConfig
+from nnscaler.errors import ConfigError
 from nnscaler.graph.capture import capture
 from nnscaler.graph.ir import Graph, graph_from_json, graph_to_json
 from nnscaler.parallel.artifacts import torch_bytes
@@ -98,6 +99,11 @@ def compile_module(
     seconds["capture"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     plan = make_plan(graph, policy.fn, cfg)
+    if plan.pipeline and cfg.grad_aggregation != "mean":
+        raise ConfigError(
+            f"ComputeConfig.grad_aggregation={cfg.grad_aggregation!r} is not supported with pipeline stages yet "
+            f"(policy {policy.name!r} planned {plan.pipeline.nstages}): use grad_aggregation='mean' or no pipeline"
+        )
     write_atomic(outdir / "plan.json", plan.to_json())
     if plan.policy == "autodist":  # what it chose and why, beside the generated code
         from nnscaler.policies.autodist.report import plan_report_text

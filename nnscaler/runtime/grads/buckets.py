@@ -292,7 +292,6 @@ class Bucket:
         `start`: launch this collective instead (robust aggregation; it returns the work to wait for).
         """
         grads = self.prepare()
-        self.prepared = False
         if start is not None:
             self.works.append(start(self))
         elif scatter:
@@ -306,7 +305,7 @@ class Bucket:
         self.narrived = 0
         self.phase = 1
         self.reduced = True
-        self.dirty = False
+        self.dirty = self.prepared = False
 
     def wait(self) -> None:
         """Wait for this bucket's collectives in flight."""

@@ -63,7 +63,9 @@ def _parse(text: str) -> dict[str, str]:
     for part in text.split(","):
         key, sep, value = part.strip().partition("=")
         if not sep or not key:
-            raise ConfigError(f"${FAULT_ENV}={text!r}: expected comma-separated key=value pairs, got {part!r}")
+            raise ConfigError(
+                f"${FAULT_ENV}={text!r}: expected comma-separated key=value pairs, got {part!r}"
+            )
         out[key.strip()] = value.strip()
     return out
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -11,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nnscaler.mesh import ParallelDims
-from nnscaler.runtime.dist.groups import create_groups, get_group
+from nnscaler.runtime.grads.aggregation import RobustAggregation, build_aggregation
 from nnscaler.runtime.grads.buckets import DEFAULT_BUCKET_CAP_MB, Bucket, make_buckets
+from nnscaler.runtime.grads.fault_inject import FaultInjector, from_env
 from nnscaler.runtime.grads.grad_ops import (  # re-exported: their historical home
     average_gradients,
     first_holders,
@@ -24,6 +23,7 @@ from nnscaler.runtime.grads.grad_ops import (  # re-exported: their historical h
 )
 from nnscaler.runtime.grads.hierarchy import Hierarchy, build_hierarchy
 from nnscaler.runtime.grads.sync_flags import reductions_skipped
+from nnscaler.runtime.grads.zero_slices import ZeroPiece, zero_groups, zero_process_groups
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -39,27 +39,6 @@ __all__ = [
     "first_holders",
     "scale_grads",
 ]
-
-
-@dataclass(frozen=True, eq=False)
-class ZeroPiece:
-    """One parameter's part of this rank's ZeRO slice: an optimizer parameter viewing the flat buffer."""
-
-    source: torch.nn.Parameter
-    """The module's parameter."""
-    param: torch.nn.Parameter
-    """What the optimizer updates: elements `[start, end)` of the flattened `source`, sharing memory."""
-    start: int
-    end: int
-    bucket: Bucket
-    offset: int
-    """Where the piece starts in the bucket."""
-
-    def grad(self) -> torch.Tensor:
-        """The reduced gradient of the piece (after `Reducer.sync`)."""
-        lo = self.bucket.own[0]
-        owned = self.bucket.owned_grads()
-        return owned[self.offset - lo : self.offset - lo + self.end - self.start]
 
 
 class Reducer:
@@ -95,6 +74,10 @@ class Reducer:
 
     `grad_dtype` (e.g. fp32): the buckets of lower-precision parameters hold their gradients in this
     dtype and reduce them in it; the reduced gradients are then `param.main_grad` (see buckets.py).
+
+    `robust` (aggregation.py; not with a hierarchy or several ZeRO groups): a coordinate-wise rule
+    replaces each bucket's collective; Zeno launches nothing in backward and weighs the buckets in
+    `sync`. `fault` (fault_inject.py, a drill) corrupts this rank's buckets before they are reduced.
     """
 
     def __init__(
@@ -111,6 +94,8 @@ class Reducer:
         grad_dtype: torch.dtype | None = None,
         deferred: Sequence[torch.nn.Parameter] = (),
         hierarchy: Hierarchy | None = None,
+        robust: RobustAggregation | None = None,
+        fault: FaultInjector | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(
@@ -133,6 +118,7 @@ class Reducer:
         groups = make_buckets([p for p in self.params[::-1] if id(p) not in late], bucket_cap_mb)
         nhooked = len(groups)
         groups += make_buckets([p for p in self.params[::-1] if id(p) in late], bucket_cap_mb)
+        self.robust, self.fault = robust, fault
         self.buckets: list[Bucket] = self._flat_buckets(groups, nshards, index, grad_dtype)
         self.upcast = any(b.upcast for b in self.buckets)
         """Some gradients are kept wider than their parameters (in `.main_grad`, see buckets.py)."""
@@ -235,6 +221,10 @@ class Reducer:
         self._queue: list[Bucket] = []
         """Buckets launched and not yet taken in, in launch order."""
         self._hooks: list[Any] = []
+        self.robust: RobustAggregation | None = None
+        self.fault: FaultInjector | None = None
+        self.round, self._fresh = 0, False
+        """Aggregation rounds (syncs that reduced something) so far; whether one is under way."""
 
     def set_grad_divisor(self, divisor: int) -> None:
         """Divide gradients by `divisor` before summing them over the replicas (1: nnScaler's sum)."""
@@ -244,8 +234,19 @@ class Reducer:
 
     # ---- backward ------------------------------------------------------------------------------------
 
+    def _prepare(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's local contribution (divided), corrupted first (once) under a fault drill."""
+        fresh, grads = not bucket.prepared, bucket.prepare()
+        if self.fault is not None and fresh:
+            self.fault.corrupt(id(bucket), grads, self.round)
+        return grads
+
     def _launch(self, bucket: Bucket) -> None:
-        if self.hier is not None:
+        self._prepare(bucket)
+        self._fresh = True
+        if self.robust is not None and self.robust.coords is not None:
+            bucket.launch(self.group, self.scatter, start=self.robust.coords.start)
+        elif self.hier is not None:
             bucket.launch(self.hier.intra, scatter=True)
         else:
             group = self.zero_group if self.scatter else self.group
@@ -259,7 +260,9 @@ class Reducer:
         return self.cross_group if self.scatter else None
 
     def _finish(self, bucket: Bucket) -> None:
-        if self.hier is not None:
+        if self.robust is not None and self.robust.coords is not None:
+            bucket.finish(self.scatter, take=self.robust.coords.take)
+        elif self.hier is not None:
             bucket.finish_gather(self.hier.intra)
         else:
             bucket.finish(self.scatter)
@@ -289,7 +292,7 @@ class Reducer:
             bucket = self._queue[0]
             if bucket.phase == 1 and cross is not None:
                 return  # the newest bucket: its cross-group sum starts at the next launch or in sync
-            bucket.finish(self.scatter)
+            self._finish(bucket)
             self._queue.pop(0)
 
     @torch.no_grad()
@@ -299,7 +302,8 @@ class Reducer:
         if not self._in_pass:
             self._in_pass = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        if bucket.accept(i) and self.enabled and not reductions_skipped():
+        zeno = self.robust is not None and self.robust.zeno is not None  # scores first, in sync
+        if bucket.accept(i) and self.enabled and not reductions_skipped() and not zeno:
             self._launch(bucket)
             if self.stage >= 2 or self.hier is not None:
                 self._reap()
@@ -336,14 +340,19 @@ class Reducer:
         Afterwards (all-reduce) each parameter's `.grad` is its view of the averaged bucket;
         (reduce-scatter) the parameters have no `.grad` and `ZeroPiece.grad()` is the averaged slice.
         """
-        for bucket in self.buckets:
-            if not bucket.reduced or bucket.dirty:
-                self._launch(bucket)
+        pending = [b for b in self.buckets if not b.reduced or b.dirty]
+        if self.robust is not None:
+            self.robust.before_launch(self._prepare, pending)  # Zeno: score, then weigh the buckets
+        for bucket in pending:
+            self._launch(bucket)
         for bucket in self._queue:  # launch order
             bucket.launch_cross(self._cross())
         for bucket in self._queue:
             self._finish(bucket)
         self._queue = []
+        if self._fresh and self.robust is not None:
+            self.robust.end_round()
+        self.round, self._fresh = self.round + self._fresh, False
         for bucket in self.buckets:
             if not self.scatter:
                 bucket.expose()
@@ -451,10 +460,12 @@ def build_reducer(
             )
         zero_group, cross_group = zero_process_groups(rank, world_size, plan_ngpus, config.zero_ngroups)
     summed = getattr(config, "dp_grad_reduction", "mean") == "sum"
+    scatter = config is not None and (config.zero_use_reduce_scatter or (config.use_zero and stage >= 2))
+    robust = build_aggregation(config, dp_group, scatter and zero_group is not None)
     cap = bucket_cap_mb if bucket_cap_mb is not None else getattr(config, "reducer_bucket_cap_mb", None)
     cap = DEFAULT_BUCKET_CAP_MB if cap is None else cap
     hierarchy = None
-    if zero_group is None:
+    if zero_group is None and robust is None:
         hierarchy = build_hierarchy(rank, world_size, plan_ngpus, config, bucket_bytes=cap * 2**20)
     reducer = Reducer(
         params,
@@ -468,25 +479,9 @@ def build_reducer(
         grad_dtype=torch.float32 if getattr(config, "reduce_grads_in_fp32", False) else None,
         deferred=deferred,
         hierarchy=hierarchy,
+        robust=robust,
+        fault=from_env(rank),
     )
     if summed:
         reducer.set_grad_divisor(1)
     return reducer
-
-
-def zero_process_groups(
-    rank: int, world_size: int, plan_ngpus: int, ngroups: int
-) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """This rank's ZeRO group and cross group (`zero_groups` of its data-parallel group); None for a
-    group of one rank. Collective: creates the groups of every data-parallel group, in the same order
-    on every rank."""
-    parts, crosses = ParallelDims(plan_ngpus, world_size, ngroups).all_zero_groups()
-    create_groups(parts + crosses)
-    zero_group = get_group(next(g for g in parts if rank in g))
-    cross_group = get_group(next(g for g in crosses if rank in g))
-    return zero_group, cross_group
-
-
-def zero_groups(dp_ranks: Sequence[int], ngroups: int) -> tuple[list[list[int]], list[list[int]]]:
-    """nnScaler's ZeRO groups of one data-parallel group (see `ParallelDims.zero_parts`)."""
-    return ParallelDims(1, len(dp_ranks), ngroups).zero_parts(list(dp_ranks))

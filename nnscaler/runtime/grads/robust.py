@@ -48,7 +48,7 @@ def coordinate_rule(values: torch.Tensor, mode: str, b: int) -> tuple[torch.Tens
     """
     n = values.shape[0]
     lo, hi = window(n, mode, b)
-    ordered, order = torch.sort(values, dim=0, stable=True)
+    ordered, order = torch.sort(values, dim=0)  # ties hold equal values: the aggregate is the same
     agg = ordered[lo:hi].float().mean(dim=0).to(values.dtype)
     outside = torch.cat([order[:lo].reshape(-1), order[hi:].reshape(-1)])
     return agg, torch.bincount(outside, minlength=n)[:n]
@@ -73,7 +73,7 @@ class SliceAggregator:
         self._recv: dict[int, torch.Tensor] = {}
 
     def start(self, bucket: Bucket) -> Any:
-        grads = bucket.prepare()
+        grads = bucket.prepare()  # prepared already (by the reducer): returns the values
         chunk = -(-bucket.size // self.n)
         send = grads
         if chunk * self.n != bucket.size:  # buckets are padded to n only under ZeRO

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler.errors import ConfigError
+from nnscaler.runtime.comm import _all_gather_single
 
 __all__ = ["Zeno", "zeno_keep", "perturbed"]
 
@@ -62,11 +63,16 @@ class Zeno:
         self.n = dist.get_world_size(group)
         self.me = dist.get_rank(group)
         self.loss_fn: Callable[[], torch.Tensor] | None = None
-        self.sq_norm_fn: Callable[[Sequence[tuple[torch.nn.Parameter, torch.Tensor]]], torch.Tensor] | None = None
+        self.sq_norm_fn: (
+            Callable[[Sequence[tuple[torch.nn.Parameter, torch.Tensor]]], torch.Tensor] | None
+        ) = None
         self.last_scores: list[float] = []
 
-    def score(self, grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]]) -> torch.Tensor:
-        """This replica's score of its gradient `grads` ((parameter, gradient) pairs), an fp32 scalar."""
+    def score(
+        self, grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]], scale: float = 1.0
+    ) -> torch.Tensor:
+        """This replica's score (an fp32 scalar) of its gradient: `scale` times the `grads` given as
+        (parameter, tensor) pairs (the reducer's buckets hold the gradient divided by its divisor)."""
         if self.loss_fn is None:
             raise ConfigError(
                 "ComputeConfig.grad_aggregation='zeno' needs a validation loss to score gradients with: use "
@@ -76,17 +82,20 @@ class Zeno:
             )
         with torch.no_grad():
             before = self.loss_fn().detach().float()
-            with perturbed(grads, self.gamma):
+            with perturbed(grads, self.gamma * scale):
                 after = self.loss_fn().detach().float()
             sq = self.sq_norm_fn(grads) if self.sq_norm_fn is not None else _sq_norm(grads)
-        return (before - after - self.rho * sq.float().to(before.device)).reshape(())
+            sq = sq.float().to(before.device) * scale**2
+        return (before - after - self.rho * sq).reshape(())
 
-    def select(self, grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]]) -> list[bool]:
-        """Score, all-gather the scores over the group, return which replicas are kept (the same on
-        every rank)."""
-        mine = self.score(grads).reshape(1)
+    def select(
+        self, grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]], scale: float = 1.0
+    ) -> list[bool]:
+        """Score (see `score`), all-gather the scores over the group, return which replicas are kept
+        (the same on every rank)."""
+        mine = self.score(grads, scale).reshape(1)
         everyone = torch.empty(self.n, dtype=mine.dtype, device=mine.device)
-        dist.all_gather_into_tensor(everyone, mine, group=self.group)
+        _all_gather_single(everyone, mine, group=self.group)
         self.last_scores = everyone.tolist()
         return zeno_keep(self.last_scores, self.b)
 

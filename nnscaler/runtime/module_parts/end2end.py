@@ -79,8 +79,12 @@ class EndToEndMixin:
         with timeline.span("train_step", micro_batches=len(samples)):
             with self._checked_step("train_step", samples), self.no_sync():
                 losses = step(self, samples, is_dummy_batch=is_dummy_batch, scale_fn=scale_fn)
-            with timeline.span("sync_grad"):
-                self.sync_grad()
+            self._zeno_step_batch = samples[-1]  # grad_aggregation='zeno' scores on it by default
+            try:
+                with timeline.span("sync_grad"):
+                    self.sync_grad()
+            finally:
+                self._zeno_step_batch = None
         return losses
 
     def infer_step(self, samples: Any) -> list[torch.Tensor]:

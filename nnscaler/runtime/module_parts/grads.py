@@ -5,13 +5,15 @@ the gradient norm and clipping over one plan copy."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from nnscaler.errors import ConfigError
 from nnscaler.runtime.device import runtime_device
 from nnscaler.runtime.dist.groups import create_host_groups, get_host_group
 from nnscaler.runtime.grads.autotune import BucketAutotuner
@@ -24,6 +26,7 @@ from nnscaler.runtime.grads.reducer import (
     scale_grads,
 )
 from nnscaler.runtime.grads.zero3 import Zero3Reducer, build_zero3
+from nnscaler.runtime.module_parts import zeno_scoring
 
 __all__ = ["GradientsMixin"]
 
@@ -45,6 +48,10 @@ class GradientsMixin:
     """The tuner moved on: rebuild the reducer with its size at the next forward holding no gradients."""
     _step_started: float | None = None
     """When the first forward since the last `sync_grad` began (the tuner times forward to sync)."""
+    _zeno_scorer: Callable[[Any], torch.Tensor] | None = None
+    """grad_aggregation='zeno': the user's validation loss (`set_zeno_scorer` / `set_zeno_batch`)."""
+    _zeno_step_batch: Any = None
+    """train_step's default validation micro-batch (its last), for the duration of the step."""
 
     # ---- training -------------------------------------------------------------------------------------
 
@@ -107,6 +114,11 @@ class GradientsMixin:
         if self.inference_only:  # nothing to reduce: no parameter requires a gradient
             return None
         cfg = self.compute_config
+        if getattr(cfg, "grad_aggregation", "mean") != "mean" and getattr(self, "use_scheduler", False):
+            raise ConfigError(
+                f"ComputeConfig.grad_aggregation={cfg.grad_aggregation!r} is not supported with pipeline "
+                "stages yet: use grad_aggregation='mean', or a plan without pipeline stages"
+            )
         if cfg is not None and cfg.use_zero and getattr(cfg, "zero_stage", 1) == 3:
             return build_zero3(self)
         cap = None
@@ -160,9 +172,29 @@ class GradientsMixin:
         hooks launched (`use_async_reducer`) and reduce the remaining buckets."""
         red = self._ensure_reducer()
         if red is not None:
+            zeno_scoring.attach(self, red)  # grad_aggregation='zeno': the validation loss it scores with
             red.sync()
         self._grads_synced = True
         self._tune_step()
+
+    def set_zeno_scorer(self, fn: Callable[[Any], torch.Tensor] | None) -> None:
+        """grad_aggregation='zeno': `fn(module)` returns the validation loss of `module` as it is (it runs
+        the forward; called twice per step, without grad and in eval mode, the second time at x - gamma * g).
+        Every rank of a replica must compute the same loss. None: train_step's default (its last
+        micro-batch). Needed when gradients are synced outside train_step (plain backward + step)."""
+        self._zeno_scorer = fn
+
+    def set_zeno_batch(self, batch: Any) -> None:
+        """grad_aggregation='zeno': score every step on this validation micro-batch (the forward's
+        arguments, as train_step takes them); None: back to train_step's default."""
+        self.set_zeno_scorer(None if batch is None else zeno_scoring.batch_scorer(batch))
+
+    @property
+    def aggregation_stats(self) -> Any:
+        """Robust grad_aggregation: the reducer's records of dropped replicas (an AggregationStats of this
+        rank's data-parallel group), or None (mean, or no reducer built yet)."""
+        red = self._reducer
+        return red.robust.stats if red is not None and red.robust is not None else None
 
     def _tune_step(self) -> None:
         """Bucket autotuning: time this step (first forward to the end of sync_grad) for the tuner."""
