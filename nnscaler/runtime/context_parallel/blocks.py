@@ -102,7 +102,7 @@ def _scores(
     return s
 
 
-def block_forward(
+def _block_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -121,7 +121,7 @@ def block_forward(
     return out, (m + torch.log(total)).squeeze(-1)
 
 
-def block_backward(
+def _block_backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -143,6 +143,86 @@ def block_backward(
     dq = torch.matmul(ds, k.to(s.dtype)) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q.to(s.dtype)) * scale
     return dq, dk, dv
+
+
+TILE_ELEMENTS = 1 << 16
+"""Scores per (batch, head) one tile of query rows may hold: a block runs its query rows in tiles of
+TILE_ELEMENTS // key rows (at least 16), so the float32 scores, probabilities and their gradients
+of a block never exist whole (a 1,024 x 1,024 block of 8 heads would be 32 MiB per matrix)."""
+
+
+def _tiles(rows: int, keys: int) -> list[tuple[int, int]]:
+    size = max(16, TILE_ELEMENTS // max(keys, 1))
+    return [(start, min(size, rows - start)) for start in range(0, rows, size)]
+
+
+def _row_slice(x: torch.Tensor | None, start: int, length: int) -> torch.Tensor | None:
+    """Rows [start, start + length) of a per-row tensor (a mask with one broadcast row stays whole)."""
+    if x is None or x.shape[-2] == 1:
+        return x
+    return x.narrow(-2, start, length)
+
+
+def block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    allowed: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale + bias, masked to `allowed`) v, and the rows' log-sum-exp (acc dtype),
+    computed in tiles of query rows (TILE_ELEMENTS). k and v have as many heads as q (`expand_kv`)."""
+    tiles = _tiles(q.shape[-2], k.shape[-2])
+    if len(tiles) == 1:
+        return _block_forward(q, k, v, scale, allowed, bias)
+    outs, lses = [], []
+    for start, length in tiles:
+        o, lse = _block_forward(
+            q.narrow(-2, start, length),
+            k,
+            v,
+            scale,
+            _row_slice(allowed, start, length),
+            _row_slice(bias, start, length),
+        )
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+
+
+def block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    allowed: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    dout: torch.Tensor,
+    delta: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one block (see `_block_backward`), in tiles of query rows."""
+    tiles = _tiles(q.shape[-2], k.shape[-2])
+    if len(tiles) == 1:
+        return _block_backward(q, k, v, scale, allowed, bias, dout, delta, lse)
+    dqs, dk, dv = [], None, None
+    for start, length in tiles:
+        dq_t, dk_t, dv_t = _block_backward(
+            q.narrow(-2, start, length),
+            k,
+            v,
+            scale,
+            _row_slice(allowed, start, length),
+            _row_slice(bias, start, length),
+            dout.narrow(-2, start, length),
+            delta.narrow(-1, start, length),
+            lse.narrow(-1, start, length),
+        )
+        dqs.append(dq_t)
+        dk = dk_t if dk is None else dk.add_(dk_t)
+        dv = dv_t if dv is None else dv.add_(dv_t)
+    return torch.cat(dqs, dim=-2), dk, dv
 
 
 def merge_into(
