@@ -31,6 +31,7 @@ from nnscaler.runtime.context_parallel.blocks import (
 )
 from nnscaler.runtime.context_parallel.layout import BlockPair, Layout, block_pairs
 from nnscaler.runtime.context_parallel.schedule import RingBatch, backward_batches, forward_batches
+from nnscaler.runtime.dist.p2p import P2POrderError, strict_p2p
 
 __all__ = ["RingSpec", "ring_attention"]
 
@@ -64,14 +65,61 @@ def _unpack(buf: torch.Tensor, shapes: tuple[torch.Size, ...]) -> list[torch.Ten
     return [part.view(shape) for part, shape in zip(buf.split(sizes), shapes)]
 
 
+_PHASES = {"forward": 0, "backward": 1}
+_PAYLOADS = {"kv": 0, "dkv": 1}
+
+
+def _header(batch: RingBatch, numel: int, device: torch.device) -> torch.Tensor:
+    values = [_PHASES[batch.phase], _PAYLOADS[batch.payload], batch.step, numel]
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+class _CheckedWorks:
+    """Strict P2P mode (NNSCALER_STRICT_P2P=1): every block travels with a header naming its phase,
+    payload, step and size; waiting compares it with this rank's own batch, so two ranks whose ring
+    programs disagree fail naming both ops instead of hanging or swapping data (as NCCL would)."""
+
+    def __init__(self, works: list[Any], got: torch.Tensor, want: torch.Tensor, src: int) -> None:
+        self.works, self.got, self.want, self.src = works, got, want, src
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        got, want = self.got.tolist(), self.want.tolist()
+        if got != want:
+            raise P2POrderError(
+                f"context-parallel ring out of order: rank {dist.get_rank()} ran {_describe(want)} but ring rank "
+                f"{self.src} sent {_describe(got)}; every rank of the ring must issue the same exchanges in the "
+                "same order (nnscaler/runtime/context_parallel/schedule.py)"
+            )
+
+
+def _describe(header: list[int]) -> str:
+    phase, payload, step, numel = header
+    names = ({v: k for k, v in _PHASES.items()}[phase], {v: k for k, v in _PAYLOADS.items()}[payload])
+    return f"the {names[0]} {names[1]} exchange of step {step} ({numel} elements)"
+
+
 def _exchange(buf: torch.Tensor, batch: RingBatch, group: Any) -> tuple[torch.Tensor, list[Any]]:
     """Post one ring batch: send `buf`, receive a tensor like it. Returns (receive buffer, works)."""
     recv = torch.empty_like(buf)
     ops = []
+    strict = strict_p2p()
+    header_out = _header(batch, buf.numel(), buf.device) if strict else None
+    header_in = torch.empty_like(header_out) if strict else None
+    src = -1
     for op, peer in batch.ops:
-        fn, tensor = (dist.isend, buf) if op == "send" else (dist.irecv, recv)
-        ops.append(dist.P2POp(fn, tensor, dist.get_global_rank(group, peer), group))
-    return recv, list(dist.batch_isend_irecv(ops))
+        fn, tensor, extra = (dist.isend, buf, header_out) if op == "send" else (dist.irecv, recv, header_in)
+        fn = getattr(fn, "__wrapped__", fn)  # P2POp takes torch's own isend / irecv, not a recording wrapper
+        rank = dist.get_global_rank(group, peer)
+        src = rank if op == "recv" else src
+        if strict:
+            ops.append(dist.P2POp(fn, extra, rank, group))
+        ops.append(dist.P2POp(fn, tensor, rank, group))
+    works = list(dist.batch_isend_irecv(ops))
+    if strict:
+        return recv, [_CheckedWorks(works, header_in, header_out, src)]
+    return recv, works
 
 
 def _wait(works: list[Any]) -> None:
