@@ -198,3 +198,38 @@ def test_compile_llama3_8b_at_128k_for_8_ranks(tmp_path, monkeypatch, capsys):
     assert code.count("is_causal=True") == 1 and "131072, 131072" not in code  # in the layer function
     assert code.count("self._layer_LlamaDecoderLayer(") == 32  # one call per layer
     assert "vocab_parallel_cross_entropy" in code
+
+
+def test_torchrun_context_parallel_with_chunk_loss_learns(mini, tmp_path):
+    """The README's context-parallel CPU command: the sequence over 2 ranks (zigzag ring) x tp 2, loss chunked."""
+    model_dir, data_dir = mini
+    out = _torchrun(
+        [str(ROOT / "examples/llama3_8B_128K/train.py"), "--plan_ngpus", "4", "--runtime_ngpus", "4"]
+        + ["--model_id", str(model_dir), "--dataset_path", str(data_dir), "--max_train_steps", "10"]
+        + ["--lr", "1e-2", "--policy", "tp", "--context_parallel", "zigzag", "--cp_size", "2"]
+        + ["--enable_chunk_loss", "--log_every", "1", "--name", "mini_cp"],
+        tmp_path,
+    )
+    plan = json.loads((tmp_path / ".nnscaler" / GEN / "mini_cp" / "plan.json").read_text())
+    assert plan["context_parallel"]["size"] == 2 and plan["mesh"] == [2, 2]
+    code = (tmp_path / ".nnscaler" / GEN / "mini_cp" / "gencode0.py").read_text()
+    assert "context_parallel.context_parallel_attention(" in code and "kind='zigzag'" in code
+    assert "chunk_linear_cross_entropy" in code
+    losses = [float(x) for x in re.findall(r"step \d+/10  loss ([\d.]+)", out)]
+    assert len(losses) == 10 and losses[0] > 5.0, out
+    assert np.mean(losses[-3:]) < losses[0] - 1.0, losses
+
+
+def test_compile_llama3_8b_at_128k_with_context_parallel(tmp_path, monkeypatch, capsys):
+    """8B at 128K on 8 ranks: the sequence over 4 (zigzag), heads over 2, the loss chunked."""
+    _compile(
+        ["--plan_ngpus", "8", "--runtime_ngpus", "8", "--model_id", "meta-llama/Meta-Llama-3-8B"]
+        + ["--offline", "--seq_len", "131072", "--policy", "tp", "--context_parallel", "zigzag"]
+        + ["--cp_size", "4", "--enable_chunk_loss", "--name", "cp4"],
+        tmp_path,
+        monkeypatch,
+    )
+    code = (tmp_path / ".nnscaler" / GEN / "cp4" / "gencode5.py").read_text()
+    assert "local [1, 32768, 2048] of [1, 131072, 4096]" in code  # q_proj: sequence / 4, heads / 2
+    assert code.count("context_parallel.context_parallel_attention(") == 1  # in the layer function
+    assert "chunk_linear_cross_entropy" in code and "131072, 128256" not in code  # logits never whole
