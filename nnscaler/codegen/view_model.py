@@ -21,6 +21,7 @@ from nnscaler.graph.ops import op_module
 from nnscaler.mesh import hybrid_cp_subgroups, mesh_axis_groups, rank_axis_groups
 from nnscaler.partition import Program, Statement
 from nnscaler.partition.context_parallel import CP_CALL
+from nnscaler.partition.expert_parallel import EP_CALL
 
 __all__ = [
     "ShardLine",
@@ -145,6 +146,15 @@ def _output_code(program: Program, fmt: Formatter) -> tuple[str, str | None, lis
     return code, program.out_spec, imports
 
 
+def pipeline_out_spec(out_spec: str) -> tuple[str | None, list[str]]:
+    """A pipelined rank's `_OUT_SPEC` (the forward's output structure, which `train_step(...,
+    return_outputs=True)` restores from the last stage's outputs) and the imports registering its types."""
+    if not out_spec:
+        return None, []
+    types = {t.rsplit(".", 1)[0] for t in _spec_types(json.loads(out_spec)) if "." in t}
+    return out_spec, [f"{m}  # registers the output type with pytree" for m in sorted(types)]
+
+
 def _init_call(program: Program, cfg: ComputeConfig, rank: int) -> str:
     tp_group = cfg.dims.plan_group(rank)
     all_groups = cfg.dims.plan_groups() + cfg.dims.dp_groups()
@@ -265,6 +275,8 @@ def custom_op_imports(statements: list[Statement]) -> list[str]:
     out = [f"{m}  # registers the custom ops called below" for m in sorted(m for m in modules if m)]
     if any(s.kind == "special" and s.op == CP_CALL for s in statements):
         out.append("nnscaler.runtime.context_parallel as context_parallel  # attention split by sequence")
+    if any(s.kind == "special" and s.op == EP_CALL for s in statements):
+        out.append("nnscaler.runtime.moe as moe  # experts split over devices (expert parallelism)")
     return out
 
 

@@ -26,8 +26,10 @@ from nnscaler.graph.ir import (
 )
 from nnscaler.graph.ops import annotate_node, get_rule, is_bias_split, layouts_for, mesh_layouts_for, op_call
 from nnscaler.graph.ops.attention import CONTEXT_PARALLEL_ATTENTION
+from nnscaler.graph.ops.moe import EXPERT_PARALLEL
 from nnscaler.partition.context_parallel import context_parallel_statement
 from nnscaler.partition.convert import GROUP, AxisGroup, conversion_steps
+from nnscaler.partition.expert_parallel import expert_parallel_statement
 from nnscaler.partition.local_ops import group_of, localise_dim, vocab_parallel_statement
 from nnscaler.partition.program import LocalTensor, Program, Statement
 from nnscaler.policies.plan import Plan
@@ -308,6 +310,8 @@ class _Partitioner:
                     node, self.plan, specials, split_axes, args, kwargs, common, self.mesh
                 )
             )
+        elif any(sp.emit == EXPERT_PARALLEL for sp in specials.values()):
+            self._emit(expert_parallel_statement(node, specials, args, kwargs, common, self.mesh))
         elif specials:
             self._vocab_parallel(node, rule, bound, specials, split_axes, args, kwargs, common)
         elif bias_axes:

@@ -10,10 +10,13 @@ group over plan_ngpus // pp_size devices).
 
 from __future__ import annotations
 
+import warnings
+
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph, cut_graph
 from nnscaler.policies.context_parallel import context_parallel_of, with_context_parallel
+from nnscaler.policies.expert_parallel import check_ep_size, with_expert_parallel
 from nnscaler.policies.nccl_sim import check_nccl
 from nnscaler.policies.options import HybridOptions, PipelineOptions, PpOptions
 from nnscaler.policies.plan import SCHEDULERS, NodePlan, PipelinePlan, Plan
@@ -43,6 +46,32 @@ def check_end2end_loss(graph: Graph) -> None:
         )
 
 
+def _repeated_layers(graph: Graph, opts: PipelineOptions) -> tuple[str, ...]:
+    """The class of the repeated layers, or () (with a warning) when the model has none and nothing
+    else says where stages start: then they split the operators evenly, as nnScaler 0.8 does."""
+    try:
+        return default_pivots(graph)
+    except PlanError:
+        if opts.pipeline_stages:
+            return ()
+        warnings.warn(
+            "pipeline: no pipeline_pivots given and no repeated layers found, so the stages split the "
+            f"{len(graph.nodes)} operators evenly (nnScaler 0.8's rule); set pas_config['pipeline_pivots'] "
+            "to start stages at module boundaries",
+            stacklevel=2,
+        )
+        return ()
+
+
+def _even_starts(nnodes: int, nstages: int) -> list[int]:
+    """Stage starts splitting `nnodes` operators into `nstages` runs whose sizes differ by at most one
+    (the first runs the longer ones)."""
+    if nstages > nnodes:
+        raise PlanError(f"pipeline_nstages={nstages} but the model has only {nnodes} operators")
+    size, extra = divmod(nnodes, nstages)
+    return [i * size + min(i, extra) for i in range(nstages)]
+
+
 def _nstages(opts: PipelineOptions) -> int | None:
     return None if opts.pipeline_nstages == "auto" else opts.pipeline_nstages
 
@@ -64,9 +93,11 @@ def _pipeline(
         raise PlanError(
             "pipelines need pas_config['pipeline_nmicros']: the number of micro-batches per train_step"
         )
-    pivots = parse_pivots(opts.pipeline_pivots) or default_pivots(graph)
+    pivots = parse_pivots(opts.pipeline_pivots) or _repeated_layers(graph, opts)
     explicit = opts.pipeline_stages
-    if explicit:
+    if not pivots and not explicit:  # nnScaler's rule: the operators split evenly over the stages
+        starts = _even_starts(len(graph.nodes), nstages)
+    elif explicit:
         starts = explicit_starts(graph, list(explicit))
         if len(starts) != nstages:
             raise PlanError(
@@ -108,7 +139,7 @@ def pas_hybrid(graph: Graph, cfg: ComputeConfig) -> Plan:
     """Pipeline stages over `pp_size` device groups, each stage split by the `tp` policy inside its group."""
     opts = HybridOptions.from_pas_config(cfg.pas_config, strict=False)
     cp = context_parallel_of(opts)
-    cp_size = cp.size if cp else 1
+    cp_size = cp.size if cp else opts.ep_size  # the devices a stage's tp plan is multiplied by
     nstages = _nstages(opts) or cfg.plan_ngpus // cp_size
     pp_size = opts.pp_size or nstages
     if cfg.plan_ngpus % pp_size or nstages % pp_size:
@@ -116,6 +147,8 @@ def pas_hybrid(graph: Graph, cfg: ComputeConfig) -> Plan:
             f"policy 'hybrid': pp_size ({pp_size}) must divide plan_ngpus ({cfg.plan_ngpus}) and "
             f"pipeline_nstages ({nstages})"
         )
+    if opts.ep_size > 1:
+        check_ep_size(opts.ep_size, cfg.plan_ngpus // pp_size, cp, "hybrid")
     if (cfg.plan_ngpus // pp_size) % cp_size:
         raise PlanError(
             f"policy 'hybrid': cp_size ({cp_size}) must divide each stage's devices (plan_ngpus // pp_size = "
@@ -126,13 +159,15 @@ def pas_hybrid(graph: Graph, cfg: ComputeConfig) -> Plan:
     nodes: dict[str, NodePlan] = {}
     notes: list[str] = []
     starts = [i for i, n in enumerate(graph.nodes) if n.name in set(pipeline.starts)]
-    tp_only = {k: v for k, v in (cfg.pas_config or {}).items() if not k.startswith("cp_")}
+    tp_only = {k: v for k, v in (cfg.pas_config or {}).items() if not k.startswith(("cp_", "ep_"))}
     stage_cfg = ComputeConfig(tp, tp, pas_config=tp_only)
     for piece in cut_graph(graph, starts):
         sub = pas_tp(piece.graph, stage_cfg)
         nodes.update(sub.nodes)
         notes.extend(f"stage {piece.index}: {n}" for n in sub.notes)
     plan = Plan("hybrid", cfg.plan_ngpus // cp_size, nodes, tuple(notes), pipeline=pipeline)
+    if opts.ep_size > 1:
+        return with_expert_parallel(graph, plan, opts.ep_size)
     return with_context_parallel(graph, plan, cp) if cp else plan
 
 

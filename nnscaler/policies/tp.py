@@ -38,6 +38,7 @@ from nnscaler.graph.ir import Graph, Node, Shard
 from nnscaler.graph.ops import BoundAnno, annotate_node, get_rule, layouts_for, split_layouts
 from nnscaler.policies.blocks import blocks_hint, sub_dims
 from nnscaler.policies.context_parallel import context_parallel_of, with_context_parallel
+from nnscaler.policies.expert_parallel import check_ep_size, with_expert_parallel
 from nnscaler.policies.flow import FlowTracer
 from nnscaler.policies.options import TpOptions
 from nnscaler.policies.plan import NodePlan, Plan
@@ -165,8 +166,13 @@ class _TpDecider:
 
 def pas_tp(graph: Graph, cfg: ComputeConfig) -> Plan:
     """Megatron-style tensor parallelism over the plan devices (see the module docstring); with
-    pas_config['cp_size'] > 1, over plan_ngpus // cp_size of them, the sequence over cp_size."""
-    cp = context_parallel_of(TpOptions.from_pas_config(cfg.pas_config, strict=False))
+    pas_config['cp_size'] > 1, over plan_ngpus // cp_size of them, the sequence over cp_size; with
+    pas_config['ep_size'] > 1, over plan_ngpus // ep_size, the batch and the experts over ep_size."""
+    opts = TpOptions.from_pas_config(cfg.pas_config, strict=False)
+    cp = context_parallel_of(opts)
+    if opts.ep_size > 1:
+        check_ep_size(opts.ep_size, cfg.plan_ngpus, cp, "tp")
+        return with_expert_parallel(graph, _pas_tp(graph, cfg.plan_ngpus // opts.ep_size), opts.ep_size)
     if cp is None:
         return _pas_tp(graph, cfg.plan_ngpus)
     if cfg.plan_ngpus % cp.size:

@@ -15,6 +15,7 @@ from nnscaler.graph.capture.export import check_forward_args, export_module, unt
 from nnscaler.graph.capture.functionalize import functionalize
 from nnscaler.graph.capture.leaf_modules import capture_with_leaves, mark_leaf_nodes
 from nnscaler.graph.capture.modes import trace_both_modes
+from nnscaler.graph.capture.moe import experts_as_op
 from nnscaler.graph.capture.side_effects import watch_side_effects
 from nnscaler.graph.capture.symbolic import dynamic_shapes_spec
 from nnscaler.graph.ir import Graph
@@ -48,7 +49,8 @@ def capture(
     dynamic = None if static_shapes else dynamic_shapes_spec(kwargs)
     # custom autograd Functions keep their backward; the program follows train()/eval()
     # ...and forward's changes to plain attributes (`self.calls += 1`), which no trace keeps, warn
-    with opaque_autograd_functions(), watch_side_effects(module):
+    # ...and the experts of mixture-of-experts layers trace as one op (graph/capture/moe.py)
+    with experts_as_op(module), opaque_autograd_functions(), watch_side_effects(module):
         # writes into views become ops on their base (torch's functionalization), in each mode
         export = lambda: functionalize(export_module(module, kwargs, dynamic))  # noqa: E731
         trace = (lambda ex: trace_both_modes(module, ex, kwargs)) if both_modes else (lambda ex: ex())

@@ -56,6 +56,10 @@ class Special:
     splits_fixed: bool = False
     """The identifier is `^` (a plain split would be wrong) but this special's local code makes a split
     on it right (context-parallel attention): only a policy asking for it by name gets it."""
+    co_split: str | None = None
+    """Another identifier split over the same devices whenever this special runs: tensors without the
+    split identifier take this one's shard (expert parallelism: experts split, tokens stay with their
+    rank); outputs follow it alone."""
 
 
 @dataclass(frozen=True)

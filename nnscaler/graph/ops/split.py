@@ -106,6 +106,8 @@ def layouts_for(bound: BoundAnno, rule, ident: str | None, ways: int, blocks: in
             [None if t.dims is None else Replicate() for t in bound.anno.outputs],
         )
     special = rule.specials.get(ident) if rule is not None else None
+    if special is not None and special.co_split is not None:
+        return _co_split_layouts(bound, ident, special.co_split, ways, blocks)
     result = split_layouts(
         bound, ident, ways, blocks, allow_fixed=special is not None and special.splits_fixed
     )
@@ -120,6 +122,25 @@ def layouts_for(bound: BoundAnno, rule, ident: str | None, ways: int, blocks: in
         if rule.bias_input < len(result.inputs):
             return SplitLayouts(result.inputs, [Replicate() for _ in result.outputs])
     return result
+
+
+def _co_split_layouts(bound: BoundAnno, ident: str, co: str, ways: int, blocks: int) -> SplitLayouts | str:
+    """`ident` split on the tensors that carry it, `co` on the others and on the outputs."""
+    size = bound.sizes.get(ident)
+    if size is None or size % ways:
+        return f"{ident!r} has size {size}, which {ways} devices do not divide"
+    if blocks > 1:
+        return f"a split on {ident!r} takes contiguous pieces: blocks must be 1"
+    follow = split_layouts(bound, co, ways, allow_fixed=True)
+    if isinstance(follow, str):
+        return follow
+    ins: list[Layout | None] = []
+    for t, other in zip(bound.anno.inputs, follow.inputs):
+        own = None if t.dims is None else _tensor_layout(t.dims, ident, 1, bound.sizes, allow_fixed=True)
+        if isinstance(own, str):
+            return own
+        ins.append(own if own is not None else other)
+    return SplitLayouts(ins, follow.outputs)
 
 
 def is_bias_split(bound: BoundAnno, rule, ident: str | None, ways: int) -> bool:

@@ -313,7 +313,6 @@ def index(call: OpCall) -> str:
 
 @rule(
     [
-        "aten.gather.default",
         "aten.index_select.default",
         "aten.diff.default",
         "aten.pad.default",
@@ -323,7 +322,6 @@ def index(call: OpCall) -> str:
         "aten.repeat.default",
         "aten.repeat_interleave.self_int",
         "aten.nonzero.default",
-        "aten.topk.default",
         "aten.sort.default",
         "aten.histc.default",
         "aten.index_put_.default",
