@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import types
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -25,6 +26,7 @@ __all__ = [
     "PolicyOptions",
     "DpOptions",
     "DataOptions",
+    "ExpertParallelOptions",
     "TpOptions",
     "PipelineOptions",
     "PpOptions",
@@ -140,7 +142,22 @@ class ContextParallelOptions(PolicyOptions):
 
 
 @dataclass(frozen=True)
-class TpOptions(ContextParallelOptions):
+class ExpertParallelOptions(PolicyOptions):
+    """Keys that split the experts of mixture-of-experts layers over devices (expert parallelism)."""
+
+    ep_size: int = field(
+        default=1,
+        metadata=_doc(
+            "Devices the experts are split over (expert parallelism; docs/moe.md). The plan devices (of each "
+            "pipeline stage) form an ep_size x (rest) mesh: on the ep axis every op is split by the batch and "
+            "each device holds experts / ep_size experts; tensor parallelism on the rest.",
+            min=1,
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class TpOptions(ContextParallelOptions, ExpertParallelOptions):
     """Policy `tp`: Megatron-style tensor parallelism over the plan devices (and the sequence over cp_size)."""
 
 
@@ -184,7 +201,7 @@ class PpOptions(PipelineOptions):
 
 
 @dataclass(frozen=True)
-class HybridOptions(PipelineOptions, ContextParallelOptions):
+class HybridOptions(PipelineOptions, ContextParallelOptions, ExpertParallelOptions):
     """Policy `hybrid`: pipeline stages over device groups, tensor parallelism (`tp`) inside each."""
 
     pp_size: int | None = field(
@@ -257,6 +274,57 @@ class AutodistOptions(PipelineOptions):
             "cheapest taken; none under pipeline stages) or 'off' (1-D splits only)."
         ),
     )
+    cp_size: int | Literal["auto"] = field(
+        default="auto",
+        metadata=_doc(
+            "Context parallelism: devices of each stage the sequence is split over. 'auto': every divisor of "
+            "a stage's devices leaving each at least 4,096 tokens is searched (1 = off; only for models with "
+            "self-attention); an int pins it.",
+            min=1,
+        ),
+    )
+    cp_kind: Literal["auto", "zigzag", "ring", "ulysses", "hybrid"] = field(
+        default="auto",
+        metadata=_doc(
+            "How context-parallel attention passes the sequence ('zigzag', 'ring', 'ulysses', 'hybrid'; as in "
+            "policy tp); 'auto': each kind is costed and the cheapest taken."
+        ),
+    )
+    cp_ulysses_size: int | None = field(
+        default=None,
+        metadata=_doc(
+            "Under cp_kind 'hybrid': devices of each Ulysses group (default: every divisor of the cp degree "
+            "strictly between 1 and it is costed).",
+            min=2,
+        ),
+    )
+    update_freq: int | list[int] | None = field(
+        default=None,
+        metadata=_doc(
+            "nnScaler 0.8's name for the micro-batches per step (a list: its first value): taken as "
+            "pipeline_nmicros when that is not given.",
+            min=1,
+        ),
+    )
+    task_name: str | None = field(
+        default=None,
+        metadata=_doc(
+            "nnScaler 0.8's label of its plan files: accepted and ignored with a warning (name the plan "
+            "file with save_plan_path)."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        """nnScaler 0.8's keys: `update_freq` becomes `pipeline_nmicros`; `task_name` is ignored, warned."""
+        if self.task_name is not None:
+            warnings.warn(
+                f"pas_config['task_name']={self.task_name!r} is ignored by autodist here (nnScaler 0.8 names "
+                "its plan files with it; use save_plan_path)",
+                stacklevel=4,
+            )
+        freq = self.update_freq[0] if isinstance(self.update_freq, list) else self.update_freq
+        if freq is not None and self.pipeline_nmicros is None:
+            object.__setattr__(self, "pipeline_nmicros", freq)
 
 
 POLICY_OPTIONS: dict[str, type[PolicyOptions]] = {
