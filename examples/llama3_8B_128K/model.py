@@ -18,11 +18,15 @@ trainer only each micro-batch's first output, so `aggregate_outputs_fn` never se
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.utils import logging as hf_logging
 
 import nnscaler
 from examples.llama3_8B_128K.data import IGNORE_INDEX
@@ -87,6 +91,20 @@ def load_config(
     return config
 
 
+@contextmanager
+def one_progress_bar_per_job() -> Iterator[None]:
+    """Hugging Face's progress bars (the "Loading weights" bar of from_pretrained) on rank 0 only:
+    every rank loads the weights, but the job shows one bar, not one per rank."""
+    if int(os.environ.get("RANK", "0")) == 0 or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+
+
 def has_weights(model_id: str) -> bool:
     """Whether `model_id` is a local directory holding weights."""
     path = Path(model_id)
@@ -115,7 +133,8 @@ class LlamaLM(torch.nn.Module):
             with torch.device("meta"):
                 self.model = LlamaForCausalLM(config)
         elif has_weights(model_id):
-            self.model = LlamaForCausalLM.from_pretrained(model_id, config=config, dtype=torch.float32)
+            with one_progress_bar_per_job():
+                self.model = LlamaForCausalLM.from_pretrained(model_id, config=config, dtype=torch.float32)
         else:  # a Hugging Face id (config only) or a directory without weights
             self.model = LlamaForCausalLM(config)  # random init (seeded by the trainer)
         self.vocab_size = config.vocab_size

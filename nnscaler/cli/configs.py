@@ -137,11 +137,19 @@ class ModelConfig:
     """Constructor keyword arguments (`__type` factories and `$!(vars.x)` allowed)."""
     parallel_modules: list[ModuleParallelizeConfig] = field(default_factory=list)
     """Parallelize only these sub-modules (empty: the whole model)."""
+    pretrained_path: str | None = None
+    """A Hugging Face checkpoint directory (safetensors) loaded after parallelizing, each rank reading
+    only its slices (`nnscaler.integration.hf.load_pretrained`); skipped when resuming a checkpoint."""
+    hf_prefix: str = ""
+    """Where the Hugging Face model sits in the model's state dict (e.g. "model." for `self.model =
+    AutoModelForCausalLM...`), for pretrained_path and checkpoint.export_hf."""
 
     def __post_init__(self) -> None:
         types = [m.type for m in self.parallel_modules]
         if len(set(types)) != len(types):
             raise ConfigError(f"model.parallel_modules: each type may appear once, got {types}")
+        if self.pretrained_path and not Path(self.pretrained_path).is_dir():
+            raise ConfigError(f"model.pretrained_path: {self.pretrained_path} is not a directory")
 
 
 @dataclass
@@ -273,6 +281,9 @@ class CheckpointConfig:
         default=None, metadata={NORMALIZE_KEY: lambda x: {"checkpoint": x} if isinstance(x, str) else x}
     )
     """Resume from this checkpoint (a string is the checkpoint option)."""
+    export_hf: str | None = None
+    """At the end of training, write the model as a Hugging Face checkpoint directory here (safetensors
+    and config.json; `nnscaler.integration.hf.save_pretrained`, under model.hf_prefix)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.resume_from, str):

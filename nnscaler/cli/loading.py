@@ -42,9 +42,9 @@ def load_type(type_name: Any) -> Any:
             break
         if obj is None:
             raise TypeLoadError(
-                f"cannot load {type_name!r}: no module {parts[0]!r} is importable. If it lives in the "
-                "current directory, run `python -m nnscaler.cli.train ...` (which puts the current "
-                "directory on the import path; the `nnscaler-train` script does not) or set PYTHONPATH=."
+                f"cannot load {type_name!r}: no module {parts[0]!r} is importable. `nnscaler-train` and "
+                "`python -m nnscaler.cli.train` import from the directory they start in: run them where "
+                f"{parts[0]} (or its package) is, or add its directory to PYTHONPATH"
             )
     for i, attr in enumerate(rest):
         try:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import nnscaler.cli.checkpoint as ck
 from nnscaler.cli.configs import CheckpointConfig
+from nnscaler.cli.console import say
 from nnscaler.cli.loading import load_type
 from nnscaler.cli.mixed import plan_of
 from nnscaler.cli.state import rng_states
@@ -126,6 +127,7 @@ def save(trainer: SavingTrainer, epoch: int) -> Path | None:
             ck.prune(save_dir, cfg.keep_last_n_checkpoints)
     ck.barrier()
     trainer._saved_step = status["step"]
+    say(trainer.rank, f"checkpoint saved: {final} (step {status['step']})")
     return final
 
 
@@ -217,8 +219,8 @@ def resume(trainer: SavingTrainer) -> None:
     trainer.pending_rng = rng
     trainer._saved_step = trainer.train_status["step"]
     trainer.hook.after_load_checkpoint(trainer, data)
-    if trainer.rank == 0:
-        logger.info("resumed from %s at step %d", path, trainer.train_status["step"])
+    shown = f"{path} -> {path.resolve()}" if path.is_symlink() else str(path)  # last, best: the step dir
+    say(trainer.rank, f"resumed from {shown} at step {trainer.train_status['step']}")
 
 
 def _check_keys(trainer: SavingTrainer, path: Path, model_sd: dict[str, Any]) -> None:

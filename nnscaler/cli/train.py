@@ -9,16 +9,26 @@ nnscaler-train --plot EVENT_DIR [OUTPUT.png]                  the same
 
 from __future__ import annotations
 
+import os
 import sys
 
 from nnscaler.errors import NnScalerError
 
-__all__ = ["main"]
+__all__ = ["main", "add_working_dir"]
+
+
+def add_working_dir() -> None:
+    """Put the working directory first on sys.path, as `python -m` does, so that a config's
+    `model.type: my_model.Net` finds ./my_model.py (the `nnscaler-train` script starts without it)."""
+    cwd = os.getcwd()
+    if not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):
+        sys.path.insert(0, cwd)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit status (2 for a config or checkpoint error, printed plainly)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    add_working_dir()
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2

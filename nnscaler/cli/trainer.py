@@ -22,7 +22,12 @@ import torch
 import torch.distributed as dist
 
 import nnscaler.cli.resume as _resume
+import nnscaler.integration.hf as hf
 from nnscaler.cli.aggregate import AggregatedOutputs, default_aggregate, scale_grads
+from nnscaler.cli.console import announce_model, say
+from nnscaler.cli.field_names import in_trainer_terms
+from nnscaler.cli.forward_args import ForwardConvention, forward_convention
+from nnscaler.cli.last_batch import check_short_micro_batch
 from nnscaler.cli.loading import load_type
 from nnscaler.cli.mixed import infer_micro_batches, model_device, parallelize_sub_modules, run_micro_batches
 from nnscaler.cli.peers import Heartbeat
@@ -38,6 +43,9 @@ from nnscaler.runtime.dist.groups import create_groups, get_group
 __all__ = ["Trainer", "TrainStatus"]
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_INSTANCE_NAME = "trainer"
+"""The generated code's instance directory when TrainerArgs.instance_name is not set."""
 
 
 class TrainStatus(dict):
@@ -72,6 +80,8 @@ class Trainer:
         self.last_val_loss: float | None = None
         self.losses: list[float] = []
         """The aggregated loss of each optimizer step of this run (every rank)."""
+        self.forward_args: ForwardConvention | None = None
+        """How a sample becomes the forward's arguments (nnscaler.cli.forward_args); set at setup."""
 
     # ---- setup ----------------------------------------------------------------------------------
 
@@ -116,27 +126,16 @@ class Trainer:
         args.init_env(self)
         self.train_dataset = args.create_dataset("train")
         model = args.create_model()
-        if args.model.parallel_modules:
-            self.model = parallelize_sub_modules(args, model, args.compile_mode)
-        else:
-            dummy = self._dummy_sample()
-            self.model = parallelize(
-                model,
-                dummy,
-                args.resolved_pas_policy,
-                cc,
-                gen_savedir=args.gen_savedir,
-                reuse=args.gen_reuse,
-                instance_name=args.instance_name,
-                load_module=not args.compile_mode,
-                module_dtype=args.param_dtype,
-                broadcast_strategy=args.broadcast_strategy if not args.compile_mode else "none",
-                verify=args.verify,
-            )
+        self.hf_config = hf.find_config(model, args.model.hf_prefix)  # for checkpoint.export_hf
+        full_numel = sum(p.numel() for p in model.parameters())
+        try:
+            self.model = self._parallelize(model)
+        except ConfigError as err:  # name the Trainer's fields (gen_reuse), not parallelize's (reuse)
+            raise in_trainer_terms(err) from err.__cause__
         if args.compile_mode:
-            if self.rank == 0:
-                print(f"nnscaler-train: generated code for {cc.runtime_ngpus} ranks under {args.gen_savedir}")
+            say(self.rank, f"generated code for {cc.runtime_ngpus} ranks under {args.gen_savedir}")
             return
+        announce_model(self.rank, args, self.model, full_numel)  # generated code's path, plan summary
         self.device = model_device(self.model)
         self.end2end = isinstance(self.model, ParallelModule)
         """The whole model is one ParallelModule run by train_step (else: parallel sub-modules)."""
@@ -160,6 +159,7 @@ class Trainer:
                 continue
             sampler = args.create_sampler(ds, stage, self.num_replicas, self.replica)
             sampler = SkippingSampler(sampler) if sampler is not None else None
+            check_short_micro_batch(args, ds, stage, self.num_replicas, self.model, self.forward_args, self.rank)
             self.loaders[stage] = (args.create_dataloader(stage, ds, sampler), sampler)
         self.optimizer = args.create_parallel_optimizer(self.model)
         self.lr_scheduler = args.create_lr_scheduler(self.optimizer)
@@ -168,10 +168,36 @@ class Trainer:
             self.loggers = args.create_loggers()
             for lg in self.loggers:
                 lg.setup(args.to_dict())
+        if args.model.pretrained_path and args.checkpoint.get_resume_checkpoint() is None:
+            hf.load_pretrained(self.model, args.model.pretrained_path, args.model.hf_prefix)
+            say(self.rank, f"loaded pretrained weights from {args.model.pretrained_path}")
         _resume.resume(self)
         self.hook.after_setup(self)
 
-    def _dummy_sample(self) -> dict[str, Any]:
+    def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The whole model as one ParallelModule (or its listed sub-modules parallelized); the generated
+        code goes under `instance_name`, by default `trainer` (a script's own `parallelize` of the same
+        class, with no instance name, writes elsewhere)."""
+        args = self.train_args
+        if args.model.parallel_modules:
+            return parallelize_sub_modules(args, model, args.compile_mode)
+        sample = self._dummy_sample()
+        self.forward_args = forward_convention(model, sample)
+        return parallelize(
+            model,
+            self.forward_args(sample),
+            args.resolved_pas_policy,
+            args.compute_config,
+            gen_savedir=args.gen_savedir,
+            reuse=args.gen_reuse,
+            instance_name=args.instance_name or DEFAULT_INSTANCE_NAME,
+            load_module=not args.compile_mode,
+            module_dtype=args.param_dtype,
+            broadcast_strategy=args.broadcast_strategy if not args.compile_mode else "none",
+            verify=args.verify,
+        )
+
+    def _dummy_sample(self) -> Any:
         args = self.train_args
         if fn := args.resolved_dummy_sample_gen_fn:
             sample = fn(args)
@@ -186,11 +212,6 @@ class Trainer:
             sample = next(iter(loader), None)
             if sample is None:
                 raise ConfigError(f"dataset.train_args: the training dataset {args.dataset.type} is empty")
-        if not isinstance(sample, dict):
-            raise ConfigError(
-                f"a training sample must be a dict of the model's forward arguments, got {type(sample).__name__}; "
-                "make the dataset (or dataloader collate_fn) return dicts"
-            )
         return to_device(sample, torch.device("cpu"), args.input_dtype)
 
     def _finalize(self) -> None:
@@ -229,6 +250,12 @@ class Trainer:
         if not self.end2end or not self.model.use_scheduler or gap <= 0:
             return chunk, None
         return chunk + [chunk[-1]] * gap, [False] * len(chunk) + [True] * gap
+
+    def _model_inputs(self, samples: list[Any]) -> list[Any]:
+        """Each micro-batch as the forward's arguments (keyword, or the whole sample in one parameter)."""
+        if self.forward_args is None:  # parallel sub-modules: the plain model's forward takes the sample
+            self.forward_args = forward_convention(self.model, samples[0])
+        return [self.forward_args(s) for s in samples]
 
     def _batches_per_epoch(self) -> int:
         """Micro-batches one replica runs in an epoch."""
@@ -296,6 +323,9 @@ class Trainer:
             if done and self._saved_step != status["step"]:
                 _resume.save(self, epoch)  # the final state
         self.progress.close()
+        if args.checkpoint.export_hf:
+            hf.save_pretrained(self.model, args.checkpoint.export_hf, args.model.hf_prefix, self.hf_config)
+            say(self.rank, f"exported a Hugging Face checkpoint to {args.checkpoint.export_hf}")
         self.hook.on_train_end(self)
 
     def _train_step(self, epoch: int, idx: int, chunk: list[Any]) -> None:
@@ -309,6 +339,7 @@ class Trainer:
         reduction = args.optimizer.grad_reduction
         scale = {"mean": 1.0 / n, "sum": float(args.scaling_factor)}.get(reduction)
         samples, dummy = self._padded(chunk)
+        samples = self._model_inputs(samples)
         if self.end2end:
             losses = self.model.train_step(
                 samples,
@@ -375,10 +406,11 @@ class Trainer:
             if args.max_val_steps and i >= args.max_val_steps:
                 break
             self.hook.on_val_step_start(self, chunk)
+            samples = self._model_inputs(self._padded(chunk)[0])
             if self.end2end:
-                losses = self.model.infer_step(self._padded(chunk)[0])[: len(chunk)]
+                losses = self.model.infer_step(samples)[: len(chunk)]
             else:
-                losses = infer_micro_batches(self.model, chunk)
+                losses = infer_micro_batches(self.model, samples)
             self.hook.on_val_step_end(self, losses)
             agg = self._aggregate(losses)
             total.loss_sum += agg.loss_sum
@@ -393,6 +425,7 @@ class Trainer:
         self.hook.before_log_val_metrics(self, metrics)
         self.log_metrics(metrics, self.train_status["step"])
         self.last_val_loss = val_loss
+        say(self.rank, f"validation loss {val_loss:.4f} at step {self.train_status['step']}")
         self.hook.on_val_end(self, val_loss)
         return val_loss
 

@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Union
 
 import torch
-import yaml
 
 from nnscaler.cli.aggregate import AggregatedOutputs
 from nnscaler.cli.arg_parser import (
@@ -55,6 +54,7 @@ from nnscaler.cli.configs import (
 from nnscaler.cli.loading import TypeLoadError, load_type
 from nnscaler.cli.train_hook import TrainHook
 from nnscaler.cli.trainer_view import TrainerView
+from nnscaler.cli.yaml_loader import read_yaml
 from nnscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
 from nnscaler.errors import ConfigError
 
@@ -117,7 +117,7 @@ class TrainerArgs:
     """Check the captured program against the model on the dummy sample when generating code
     (parallelize's `verify`): null: when the weights are real and under 200M parameters; true; false."""
     instance_name: str | None = field(default=None, metadata={NORMALIZE_KEY: factory_normalize})
-    """Instance directory name under gen_savedir (a `__type` factory is allowed)."""
+    """Instance directory name under gen_savedir (a `__type` factory is allowed); unset: `trainer`."""
     run_mode: str = "run"
     """run (compile and train) or compile (write the generated code and exit)."""
     dummy_sample_gen_fn: str | None = None
@@ -429,20 +429,7 @@ _EXAMPLES = {
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {path} must hold a mapping of TrainerArgs fields, got {type(data).__name__}"
-        )
-    return data
+    return read_yaml(path)  # refuses a key given twice (nnscaler.cli.yaml_loader)
 
 
 def _plain(value: Any) -> Any:

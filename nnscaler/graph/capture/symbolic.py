@@ -9,6 +9,7 @@ and expressions are printed as Python code over those names. Conditions export f
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import sympy
@@ -19,21 +20,41 @@ from nnscaler.graph.ir import ShapeRule, SymExpr
 
 __all__ = ["SizeNames", "dynamic_shapes_spec"]
 
+logger = logging.getLogger(__name__)
+
 _SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 def dynamic_shapes_spec(kwargs: dict[str, Any]) -> dict[str, Any]:
     """torch.export `dynamic_shapes` marking every dim of every tensor input Dim.AUTO (export keeps a
-    dim fixed where the model needs it fixed, e.g. a feature dim matched against a weight)."""
+    dim fixed where the model needs it fixed, e.g. a feature dim matched against a weight).
+
+    A dim of size 0 or 1 is left fixed: export would fix it anyway (its 0/1 specialization) and warn
+    "dimension ... 0/1 specialized; Dim.AUTO was specified" for every such input on every trace. One
+    debug line of the `nnscaler` logger names those dims instead.
+    """
     from torch.export import Dim
     from torch.utils import _pytree as pytree
 
-    def leaf(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return {i: Dim.AUTO for i in range(v.dim())} if v.dim() else None
-        return None
+    fixed: list[str] = []
 
-    return {k: pytree.tree_map(leaf, v) for k, v in kwargs.items()}
+    def spec(name: str, v: Any) -> Any:
+        def leaf(path: Any, t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or not t.dim():
+                return None
+            small = [i for i, size in enumerate(t.shape) if size in (0, 1)]
+            fixed.extend(f"{name}{pytree.keystr(path)} dim {i}" for i in small)
+            return {i: Dim.AUTO for i in range(t.dim()) if i not in small}
+
+        return pytree.tree_map_with_path(leaf, v)
+
+    out = {k: spec(k, v) for k, v in kwargs.items()}
+    if fixed:
+        logger.debug(
+            "dummy inputs with size 0 or 1 are traced with that size fixed (calls must use it): %s",
+            ", ".join(fixed),
+        )
+    return out
 
 
 def _printer():
