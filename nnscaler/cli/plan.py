@@ -36,14 +36,14 @@ def _at_sizes(graph, result, specs: list[str]) -> str:
     from dataclasses import replace
 
     from nnscaler.policies.autodist.cost import traced_batch_size
-    from nnscaler.policies.autodist.evaluate import evaluate_plan
+    from nnscaler.policies.autodist.cp_search import evaluate_any_plan
     from nnscaler.policies.autodist.symbolic import flops_expr, graph_at_sizes
 
     lines = [f"\nForward FLOPs of one call: {flops_expr(graph)}\n"]
     for spec in specs:
         resized = graph_at_sizes(graph, _parse_sizes(spec))
         setup = replace(result.setup, traced_batch=traced_batch_size(resized))
-        cand = evaluate_plan(resized, setup, result.plan)
+        cand = evaluate_any_plan(resized, setup, result.plan)
         fits = "fits" if cand.memory <= setup.mem_limit else "does NOT fit"
         lines.append(
             f"At {spec}: predicted step {cand.step_time * 1e3:.3f} ms, {cand.memory / 1e9:.3f} GB on the "

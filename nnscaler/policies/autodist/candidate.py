@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nnscaler.policies.autodist.spmd import SpmdResult
+from nnscaler.policies.plan import ContextParallel
 
 __all__ = ["Candidate"]
 
@@ -32,6 +33,15 @@ class Candidate:
     origin: str = "ilp"
     """'ilp': the searched partition; 'megatron': the tp policy's layout, kept where the model scores it
     better (the ILP works on folded layers and per-edge costs, so a hand-made layout can edge it out)."""
+    cp: ContextParallel | None = None
+    """The sequence split over `cp.size` more devices per stage (pp and tp count the rest); None: off."""
+    cp_comm: float = 0.0
+    """Seconds per step of context-parallel communication (all of it, overlapped with compute or not)."""
+    cp_exposed: float = 0.0
+    """Seconds per step context parallelism adds to the step: communication not hidden behind attention,
+    the reorder and Ulysses all-to-alls, a plain ring's causal imbalance (included in step_time)."""
+    cp_rejected: tuple[tuple[str, str], ...] = ()
+    """(configuration, why not taken) for the other context-parallel degrees and kinds (on the winner)."""
 
     @property
     def time_per_micro(self) -> float:
@@ -41,4 +51,15 @@ class Candidate:
         rc = ", recompute" if self.recompute else ""
         seed = ", megatron layout" if self.origin == "megatron" else ""
         zero = f", zero{self.zero}" if self.zero else ""
-        return f"pp={self.pp} tp={self.tp} nmicros={self.nmicros}{rc}{seed}{zero}"
+        cp = f" cp={self.cp.size} ({self.cp_label()})" if self.cp else ""
+        return f"pp={self.pp}{cp} tp={self.tp} nmicros={self.nmicros}{rc}{seed}{zero}"
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp.size if self.cp else 1
+
+    def cp_label(self) -> str:
+        """'zigzag', or 'hybrid u2' (Ulysses groups of 2, ring across them)."""
+        if self.cp is None:
+            return "off"
+        return f"hybrid u{self.cp.ulysses_size}" if self.cp.kind == "hybrid" else self.cp.kind

@@ -70,6 +70,15 @@ class PlannerSetup:
     """Seconds of an op that moves no data (a view), measured by the profiler; 0 without a database."""
     bucket_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20
     """Gradient bucket size of the data-parallel sync (each bucket pays the collective's latency)."""
+    cp_size: int | None = None
+    """Context-parallel degree per stage: None searches it (autodist/context_parallel.py), 1 is off."""
+    cp_kind: str | None = None
+    """Context-parallel kind (plan.CP_KINDS): None searches it."""
+    cp_ulysses_size: int | None = None
+    """Ulysses group size of kind 'hybrid': None searches it."""
+    cp_degree: int = 1
+    """The cp degree this setup is the per-rank problem of (set by the cp search: batch_scale and
+    dp_size already hold it; plan_ngpus is the devices left to tensor parallelism and pipelines)."""
 
 
 MAX_MESHES = 6

@@ -13,6 +13,7 @@ from nnscaler.policies.autodist.cluster import ClusterSpec
 from nnscaler.policies.autodist.context import PlannerSetup
 from nnscaler.policies.autodist.policy import plan_from_candidate, planner_setup
 from nnscaler.policies.autodist.search import divisors, micro_options, search
+from nnscaler.policies.context_parallel import attention_nodes
 from nnscaler.policies.plan import Plan
 
 __all__ = ["OfflinePlan", "plan_offline"]
@@ -58,9 +59,16 @@ def plan_offline(
         cfg = ComputeConfig(p, ndevices, use_end2end=end2end, pas_config=pas)
         base = planner_setup(graph, cfg, cluster=cluster)
         base = replace(base, max_tp=cluster.devices_per_node, global_batch=True)
+        if base.dp_size > max(base.traced_batch, 1):  # a replica needs a whole sample (cp splits sequences)
+            errors.append(
+                f"plan_ngpus={p}: {base.dp_size} data-parallel replicas for a batch of {base.traced_batch}"
+            )
+            continue
         # ZeRO: stage 2 costs what stage 1 does and keeps less; stage 3 (no pipelines) trades an
         # all-gather for parameter memory. A stage given in pas_config is kept.
-        zeros = [base.memory.zero_stage] if "zero_stage" in pas or base.dp_size == 1 else [2, 3]
+        # Under context parallelism ZeRO shards over cp x dp, so it is searched where cp may be too.
+        sharded = base.dp_size > 1 or (base.cp_size != 1 and p > 1 and bool(attention_nodes(graph)))
+        zeros = [base.memory.zero_stage] if "zero_stage" in pas or not sharded else [2, 3]
         for zero, m in [(z, m) for z in zeros for m in micro_options(base, base.dp_size)]:
             setup = replace(
                 base,

@@ -13,6 +13,7 @@ from nnscaler.policies.autodist.cluster import ClusterSpec, LinkSpec, load_clust
 from nnscaler.policies.autodist.constraints import PartitionConstraints, load_constraints
 from nnscaler.policies.autodist.context import PlannerSetup
 from nnscaler.policies.autodist.cost import traced_batch_size
+from nnscaler.policies.autodist.cp_search import plan_with_cp
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.autodist.plan_files import load_plan, save_plan
 from nnscaler.policies.autodist.search import search
@@ -87,6 +88,9 @@ def planner_setup(
         free_op=db.free_op_s if db is not None else 0.0,
         bucket_bytes=(cfg.reducer_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) * 2**20,
         tp_mesh=_tp_mesh(opts.tp_mesh),
+        cp_size=None if opts.cp_size == "auto" else opts.cp_size,
+        cp_kind=None if opts.cp_kind == "auto" else opts.cp_kind,
+        cp_ulysses_size=opts.cp_ulysses_size,
     )
 
 
@@ -127,6 +131,13 @@ def _profile_db(path: str | None):
 
 
 def plan_from_candidate(graph: Graph, cand: Candidate, setup: PlannerSetup, scheduler: str = "1f1b") -> Plan:
+    """The Plan of a scored configuration (with context parallelism: cp_search.plan_with_cp)."""
+    if cand.cp is not None or cand.cp_rejected:
+        return plan_with_cp(graph, cand, setup, lambda sub: _tp_plan(graph, cand, sub, scheduler))
+    return _tp_plan(graph, cand, setup, scheduler)
+
+
+def _tp_plan(graph: Graph, cand: Candidate, setup: PlannerSetup, scheduler: str) -> Plan:
     nodes = {name: _bare(p) for name, p in cand.spmd.plans.items()}
     mesh = cand.spmd.mesh if any(p.mesh_splits for p in nodes.values()) else ()
     pipeline = None

@@ -10,9 +10,10 @@ from nnscaler.config import ComputeConfig
 from nnscaler.graph.ir import Graph
 from nnscaler.policies.autodist.candidate import Candidate
 from nnscaler.policies.autodist.context import PlannerSetup
-from nnscaler.policies.autodist.evaluate import evaluate_plan
+from nnscaler.policies.autodist.cp_search import evaluate_any_plan
 from nnscaler.policies.autodist.policy import planner_setup
 from nnscaler.policies.autodist.recipes import standard_recipes
+from nnscaler.policies.autodist.report_cp import cp_report_lines
 from nnscaler.policies.autodist.report_reasons import why_not_taken
 from nnscaler.policies.autodist.report_words import module_group, module_words, short_op
 from nnscaler.policies.plan import Plan
@@ -34,7 +35,7 @@ def plan_report(
     graph: Graph, plan: Plan, setup: PlannerSetup, scored: list[Candidate] | None = None, recipes: bool = True
 ) -> str:
     """The report as Markdown (see the module docstring)."""
-    cand = evaluate_plan(graph, setup, plan)
+    cand = evaluate_any_plan(graph, setup, plan)
     res = cand.spmd
     c = setup.cluster
     dev = c.device
@@ -60,6 +61,7 @@ def plan_report(
         f"Predicted step: {_ms(cand.step_time)} ms ({_ms(cand.time_per_micro)} ms per micro-batch); memory on "
         f"the fullest device: {_gb(cand.memory)} GB (limit {_gb(setup.mem_limit)} GB).",
     ]
+    lines += cp_report_lines(graph, plan, setup, cand)
     if res is not None and res.stats:
         s = res.stats
         lines += [

@@ -17,7 +17,7 @@ def why_not_taken(r: Recipe, setup: PlannerSetup, scored: list[Candidate] | None
     out = list(r.excluded)
     if scored and setup.global_batch:  # offline planning searched plan sizes and ZeRO stages
         size = c.pp * c.tp
-        if size not in {x.pp * x.tp for x in scored}:
+        if size not in {x.pp * x.tp * x.cp_size for x in scored}:
             out.append(
                 f"the search kept no plan over {size} device(s) (a fixed --plan-ngpus, or none fitted)"
             )
@@ -33,7 +33,7 @@ def why_not_taken(r: Recipe, setup: PlannerSetup, scored: list[Candidate] | None
         return [
             "not considered by the search: partition constraints turn off its Megatron-layout alternative"
         ]
-    same = [x for x in scored or [] if (x.pp, x.tp) == (c.pp, c.tp)]
+    same = [x for x in scored or [] if (x.pp, x.tp, x.cp_size) == (c.pp, c.tp, 1)]
     if same:
         best = min(same, key=lambda x: x.step_time)
         return [

@@ -54,12 +54,14 @@ def _where(cluster: ClusterSpec, link: LinkSpec) -> str:
 
 def _stage_axes(plan: Plan, cluster: ClusterSpec) -> list[str]:
     """Each mesh axis of a stage as 'name (size, intra-node|inter-node)'."""
+    cp = "cp" if plan.context_parallel else ""  # the sequence's axis (mesh axis 0, or all devices)
     if plan.mesh:
         return [
-            f"axis {k} ({size}, {_where(cluster, cluster.link(size, math.prod(plan.mesh[k + 1 :])))})"
+            f"{cp if k == 0 and cp else f'axis {k}'} "
+            f"({size}, {_where(cluster, cluster.link(size, math.prod(plan.mesh[k + 1 :])))})"
             for k, size in enumerate(plan.mesh)
         ]
-    return [f"tp ({plan.tp_size}, {_where(cluster, cluster.link(plan.tp_size))})"]
+    return [f"{cp or 'tp'} ({plan.tp_size}, {_where(cluster, cluster.link(plan.tp_size))})"]
 
 
 def _dim_word(graph: Graph, node: Node, ident: str) -> str:

@@ -19,6 +19,7 @@ from nnscaler.policies.autodist.context import (
     stage_context,
     transient_bytes,
 )
+from nnscaler.policies.autodist.cp_search import cp_search
 from nnscaler.policies.autodist.evaluate import evaluate_nodes
 from nnscaler.policies.autodist.layers import layer_instances
 from nnscaler.policies.autodist.memo import graph_memo
@@ -240,7 +241,13 @@ def _nothing_planned(ndevices: int, refused: list[tuple[str, str]]) -> PlanError
 
 
 def search(graph: Graph, setup: PlannerSetup) -> tuple[Candidate, list[Candidate]]:
-    """The best configuration (by time per micro-batch) and every configuration scored."""
+    """The best configuration (by time per micro-batch) and every configuration scored, context-parallel
+    degrees and kinds included (cp_search.py: each degree's remaining devices searched as below)."""
+    return cp_search(graph, setup, _search_devices)
+
+
+def _search_devices(graph: Graph, setup: PlannerSetup) -> tuple[Candidate, list[Candidate]]:
+    """The best configuration of the plan devices without context parallelism, and every one scored."""
     pivots, instances = layer_instances(graph, setup.pivots)
     layer_paths = tuple(p for p, _ in instances)
     setup = replace(setup, pivots=pivots or setup.pivots)

@@ -99,8 +99,8 @@ def _traced_sizes(graph: Graph, symbols: dict[str, sympy.Symbol]) -> dict[str, i
 def recost(graph: Graph, cfg: ComputeConfig, plan: Plan, sizes: dict[str, int]):
     """The predicted step time and memory (a search.Candidate) of `plan` at input `sizes`, without
     tracing again: the graph's shapes are re-evaluated and the plan is costed on them."""
-    from nnscaler.policies.autodist.evaluate import evaluate_plan
+    from nnscaler.policies.autodist.cp_search import evaluate_any_plan
     from nnscaler.policies.autodist.policy import planner_setup
 
     resized = graph_at_sizes(graph, sizes)
-    return evaluate_plan(resized, planner_setup(resized, cfg), plan)
+    return evaluate_any_plan(resized, planner_setup(resized, cfg), plan)
