@@ -11,7 +11,13 @@ from typing import Any
 from nnscaler.errors import ConfigError
 from nnscaler.mesh import ParallelDims
 
-__all__ = ["ComputeConfig", "ReuseType", "BroadcastGenFilesStrategy", "GRAD_AGGREGATIONS"]
+__all__ = [
+    "ComputeConfig",
+    "ReuseType",
+    "BroadcastGenFilesStrategy",
+    "GRAD_AGGREGATIONS",
+    "TORCH_COMPILE_KEYS",
+]
 
 GRAD_AGGREGATIONS = ("mean", "median", "trimmed_mean", "zeno")
 """Values of `ComputeConfig.grad_aggregation` (docs/faulty_replicas.md)."""
@@ -33,6 +39,36 @@ class BroadcastGenFilesStrategy(str, Enum):
     ALL = "all"
     NO_WEIGHTS = "no_weights"
     CODE = "code"
+
+
+TORCH_COMPILE_KEYS = ("backend", "mode", "fullgraph", "dynamic", "options", "disable")
+"""Keys `ComputeConfig.torch_compile` may hold: keyword arguments of `torch.compile`."""
+
+
+def _check_torch_compile(value: Any, zero3: bool) -> None:
+    """False, True or a dict of torch.compile's keyword arguments, with a backend named by a string (so
+    the config round-trips through compute_config.json); not with ZeRO stage 3."""
+    if value is not False and zero3:
+        raise ConfigError(
+            "ComputeConfig.torch_compile cannot be used with ZeRO stage 3: its parameter gathers are asynchronous "
+            "collectives torch.compile does not trace (the forward would fall back to eager); use zero_stage=1 or 2"
+        )
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"ComputeConfig.torch_compile must be True, False or a dict of torch.compile options, got {value!r}"
+        )
+    unknown = sorted(set(value) - set(TORCH_COMPILE_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"ComputeConfig.torch_compile: unknown option(s) {unknown}; known: {list(TORCH_COMPILE_KEYS)}"
+        )
+    if not isinstance(value.get("backend", ""), str):
+        raise ConfigError(
+            f"ComputeConfig.torch_compile['backend'] must be a backend's name (e.g. 'inductor', 'aot_eager'), "
+            f"got {value['backend']!r}: a callable cannot be saved in compute_config.json"
+        )
 
 
 @dataclass(frozen=True)
@@ -104,6 +140,10 @@ class ComputeConfig:
     validation micro-batch (about the learning rate)."""
     zeno_rho: float = field(default=1e-4, kw_only=True)
     """Zeno: weight of the gradient-norm penalty in the score (below zeno_gamma, or honest gradients score < 0)."""
+    torch_compile: bool | dict[str, Any] = field(default=False, kw_only=True)
+    """Run the generated forward / pipeline stage functions through `torch.compile` (docs/runtime.md): True,
+    or a dict of its keyword arguments (TORCH_COMPILE_KEYS, e.g. {"backend": "aot_eager", "mode":
+    "max-autotune"}); the generated file stays plain PyTorch, the runtime compiles it when it is loaded."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan_ngpus, int) or self.plan_ngpus <= 0:
@@ -162,6 +202,7 @@ class ComputeConfig:
                 f"replicas (runtime_ngpus // plan_ngpus = {self.runtime_ngpus // self.plan_ngpus})"
             )
         self._check_grad_aggregation()
+        _check_torch_compile(self.torch_compile, self.use_zero and self.zero_stage == 3)
 
     def _check_grad_aggregation(self) -> None:
         """`grad_aggregation`, `byzantine_b` and Zeno's knobs: known values, enough replicas, a supported setup."""

@@ -23,6 +23,7 @@ from nnscaler.codegen.view_model import (
     header_lines,
     inference_attrs,
     make_formatter,
+    pipeline_out_spec,
     statement_trailing,
 )
 from nnscaler.config import ComputeConfig
@@ -191,9 +192,10 @@ def build_pipeline_view(
         group,
         functools.partial(layout.stage_rank, rank),
     )
+    out_spec, spec_imports = pipeline_out_spec(pprog.inputs.out_spec)
     view = ModuleView(
         _pipeline_header(pprog, layout, rank, groups, mine, (model_name, policy, version)),
-        custom_op_imports(statements),
+        spec_imports + custom_op_imports(statements),
         rank,
         init_call,
         shards,
@@ -201,7 +203,7 @@ def build_pipeline_view(
         ", ".join(["self"] + pprog.inputs.forward_args + defaults),
         [],
         "",
-        None,
+        out_spec,
         fmt.used_sync_norm,
         any(st.op.startswith("rng.") or st.shard_rng for st in statements),
         unpack,

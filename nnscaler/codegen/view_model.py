@@ -149,9 +149,10 @@ def _output_code(program: Program, fmt: Formatter) -> tuple[str, str | None, lis
 def pipeline_out_spec(out_spec: str) -> tuple[str | None, list[str]]:
     """A pipelined rank's `_OUT_SPEC` (the forward's output structure, which `train_step(...,
     return_outputs=True)` restores from the last stage's outputs) and the imports registering its types."""
-    if not out_spec:
-        return None, []
-    types = {t.rsplit(".", 1)[0] for t in _spec_types(json.loads(out_spec)) if "." in t}
+    spec = json.loads(out_spec) if out_spec else None
+    if spec is None or (spec[1].get("type") is None and not spec[1].get("children_spec")):
+        return None, []  # one tensor: nothing to restore
+    types = {t.rsplit(".", 1)[0] for t in _spec_types(spec) if "." in t}
     return out_spec, [f"{m}  # registers the output type with pytree" for m in sorted(types)]
 
 

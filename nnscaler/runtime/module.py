@@ -36,6 +36,7 @@ from nnscaler.runtime.grads.reducer import Reducer
 from nnscaler.runtime.grads.zero3 import Zero3Reducer
 from nnscaler.runtime.module_parts import shapes
 from nnscaler.runtime.module_parts.compat import ModuleCompatMixin
+from nnscaler.runtime.module_parts.compiled import compile_generated
 from nnscaler.runtime.module_parts.constants import load_constants
 from nnscaler.runtime.module_parts.end2end import EndToEndMixin
 from nnscaler.runtime.module_parts.grads import GradientsMixin
@@ -161,6 +162,8 @@ class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, nn.Module
         self._in_step = False  # inside train_step / infer_step: forward skips the checks made there
         self.register_forward_pre_hook(_before_forward, with_kwargs=True)
         self.register_forward_hook(_after_forward, always_call=True)
+        config = type(self).compute_config  # torch_compile: forward / stage{k} compiled on their first call
+        compile_generated(self, config.torch_compile if config is not None else False)
 
     # ---- groups -------------------------------------------------------------------------------------
 

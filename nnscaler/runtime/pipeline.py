@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from nnscaler.runtime.device import is_initialized
 from nnscaler.runtime.dist.p2p import P2P, Label, connect
+from nnscaler.runtime.module_parts.step_outputs import detached, share_outputs
 
 __all__ = ["TensorSpec", "PipelineStep", "split_micro_batches", "forward_kwargs"]
 
@@ -116,6 +117,8 @@ class PipelineStep:
         self.scale_fn = scale_fn
         self.dummy = list(is_dummy_batch) if is_dummy_batch is not None else [False] * self.nmicros
         self.losses: list[torch.Tensor | None] = [None] * self.nmicros
+        self.outputs: list[tuple[Any, ...] | None] = [None] * self.nmicros
+        """The last stage's whole outputs per micro-batch (for `return_outputs`), detached."""
         self._device = model.device
         self._p2p = P2P(self._device)
         if peers and is_initialized():
@@ -221,6 +224,8 @@ class PipelineStep:
         """The last stage's first output is the micro-batch's loss."""
         loss = outputs[0]
         self.losses[micro] = loss.detach()
+        if getattr(self.model, "_collect_outputs", False):  # kept only when asked: logits can be large
+            self.outputs[micro] = detached(outputs)
         return loss
 
     def backward_loss(self, outputs: Sequence[torch.Tensor], micro: int) -> None:
@@ -243,6 +248,8 @@ class PipelineStep:
             )
         if self.train:
             self.model.sync_tied_grads()
+        if getattr(self.model, "_collect_outputs", False):  # train_step(return_outputs=True)
+            self.model._step_outputs = share_outputs(self.model, self.outputs)
         return self._share_losses()
 
     def _share_losses(self) -> list[torch.Tensor]:

@@ -15,8 +15,7 @@ from nnscaler.runtime import ParallelModule, comm
 class _LayerParams:
     """One repeated layer's weights, for its layer function: p.x is module.<prefix>x."""
 
-    __slots__ = ("_module", "_prefix")
-
+    # no __slots__: torch.compile (ComputeConfig.torch_compile) recurses on __getattr__ with them
     def __init__(self, module, prefix):
         self._module, self._prefix = module, prefix
 

@@ -1,1 +1,2 @@
-"""Lightning integration: `nnscaler.integration.lightning.pytorch` (needs `pip install nnscaler[lightning]`)."""
+"""Lightning integration (needs `pip install nnscaler[lightning]`): `nnscaler.integration.lightning.pytorch`
+(the Trainer's NnScalerStrategy) and `nnscaler.integration.lightning.fabric` (NnScalerFabricStrategy)."""

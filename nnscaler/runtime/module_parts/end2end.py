@@ -63,11 +63,14 @@ class EndToEndMixin:
         samples: Any,
         is_dummy_batch: Sequence[bool] | None = None,
         scale_fn: Any = None,
-    ) -> list[torch.Tensor]:
+        *,
+        return_outputs: bool = False,
+    ) -> list[Any]:
         """One optimizer step's forward and backward over `samples` (a list of micro-batches, each the
         forward's arguments as a dict; or one batch, split into the schedule's micro-batches). Gradients
         of the micro-batches add up (a sum, as calling backward on each would), then are averaged over
-        the data-parallel replicas. Returns each micro-batch's loss, on every rank."""
+        the data-parallel replicas. Returns each micro-batch's loss, on every rank; with `return_outputs`
+        each micro-batch's whole forward output instead (loss first, detached, in the forward's structure)."""
         if getattr(self, "inference_only", False):
             raise RuntimeError(
                 f"{type(self).__name__} was generated with ComputeConfig(inference_only=True): it has no backward "
@@ -77,22 +80,34 @@ class EndToEndMixin:
         samples = self._micro_batches(samples)
         step = self._schedule_fn("_train_step")
         with timeline.span("train_step", micro_batches=len(samples)):
-            with self._checked_step("train_step", samples), self.no_sync():
+            with self._checked_step("train_step", samples), self.no_sync(), self._outputs(return_outputs):
                 losses = step(self, samples, is_dummy_batch=is_dummy_batch, scale_fn=scale_fn)
+                outputs = self._step_outputs
             self._zeno_step_batch = samples[-1]  # grad_aggregation='zeno' scores on it by default
             try:
                 with timeline.span("sync_grad"):
                     self.sync_grad()
             finally:
                 self._zeno_step_batch = None
-        return losses
+        return outputs if return_outputs else losses
 
-    def infer_step(self, samples: Any) -> list[torch.Tensor]:
-        """Forward only over `samples` (as for train_step); returns each micro-batch's loss on every rank."""
+    def infer_step(self, samples: Any, *, return_outputs: bool = False) -> list[Any]:
+        """Forward only over `samples` (as for train_step); returns each micro-batch's loss on every rank
+        (with `return_outputs`, its whole forward output)."""
         samples = self._micro_batches(samples)
         step = self._schedule_fn("_infer_step")
-        with self._checked_step("infer_step", samples), torch.no_grad():
-            return step(self, samples)
+        with self._checked_step("infer_step", samples), torch.no_grad(), self._outputs(return_outputs):
+            losses = step(self, samples)
+            return self._step_outputs if return_outputs else losses
+
+    @contextmanager
+    def _outputs(self, collect: bool) -> Iterator[None]:
+        """While a step runs: whether PipelineStep.finish leaves the whole outputs in `_step_outputs`."""
+        self._collect_outputs, self._step_outputs = collect, None
+        try:
+            yield
+        finally:
+            self._collect_outputs = False
 
     @contextmanager
     def _checked_step(self, what: str, samples: list[Any]) -> Iterator[None]:

@@ -1,1 +1,6 @@
-"""Lightning Fabric: not supported yet (nnScaler 0.8 ships this package empty too)."""
+"""nnscaler as a Lightning Fabric strategy: `L.Fabric(strategy=NnScalerFabricStrategy(compute_config=...,
+pas_policy='tp', dummy_forward_args=...))`. See docs/lightning.md."""
+
+from nnscaler.integration.lightning.fabric.strategy import NnScalerFabricStrategy
+
+__all__ = ["NnScalerFabricStrategy"]

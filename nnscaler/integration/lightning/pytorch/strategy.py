@@ -27,6 +27,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 import nnscaler
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import ConfigError
+from nnscaler.integration.lightning.optimizers import nnscaler_optimizer
+from nnscaler.integration.lightning.outputs import combine_micro_outputs
 from nnscaler.integration.lightning.pytorch.checkpoint import (
     META_KEY,
     merge_checkpoint_files,
@@ -42,7 +44,6 @@ from nnscaler.runtime.checkpoint.save_types import (
 )
 from nnscaler.runtime.dist.groups import create_groups, get_group
 from nnscaler.runtime.module import ParallelModule
-from nnscaler.runtime.optimizer import attach_optimizer
 
 __all__ = ["NnScalerStrategy"]
 
@@ -160,7 +161,8 @@ class NnScalerStrategy(DDPStrategy):
                 raise ConfigError(
                     f"NnScalerStrategy supports one optimizer; configure_optimizers returned {len(self.optimizers)}"
                 )
-            optimizer = attach_optimizer(self.parallel_module, self.optimizers[0])
+            optimizer = nnscaler_optimizer(self.parallel_module, self.optimizers[0], "NnScalerStrategy")
+            self.optimizers = [optimizer]  # under ZeRO a ZeroOptimizer stepping the user's on its slices
             if self.compute_config.use_end2end:
                 # Lightning zeroes gradients after training_step, where a pipeline has already run its
                 # backward: the strategy zeroes them itself, before the first schedule after a step
@@ -215,10 +217,9 @@ class NnScalerStrategy(DDPStrategy):
                     pm.zero_grad()
                     self._grads_stale = False
                 n = pm.nmicros_per_scheduler_step
-                losses = pm.train_step(sample, scale_fn=lambda loss: loss / n)  # backward done here
-                # a leaf stands for the loss: Lightning's backward on it is a no-op
-                return torch.stack([x.detach().float() for x in losses]).mean().requires_grad_()
-            return torch.stack([x.float() for x in pm.infer_step(sample)]).mean()
+                outputs = pm.train_step(sample, scale_fn=lambda loss: loss / n, return_outputs=True)
+                return combine_micro_outputs(outputs, train=True)  # backward done above
+            return combine_micro_outputs(pm.infer_step(sample, return_outputs=True), train=False)
 
         module.forward = parallel_forward
 
