@@ -12,6 +12,7 @@ import os
 import sys
 
 import nnscaler
+import nnscaler.parallel
 from nnscaler import ComputeConfig, ParallelModule
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "public_api.txt")
@@ -128,6 +129,18 @@ def test_nnscaler_names_and_parameters() -> None:
         assert hasattr(ComputeConfig, member), f"ComputeConfig.{member} is missing"
 
 
+def test_nnscaler_parallel_has_the_0_8_names() -> None:
+    # nnScaler 0.8's docs and tests write `from nnscaler.parallel import parallelize, ComputeConfig, ...`
+    names = [*NNSCALER_0_8_CLASSES, *(n for n in NNSCALER_0_8 if n in nnscaler.parallel.NNSCALER_08_NAMES)]
+    for name in names:
+        assert name in nnscaler.parallel.__all__, f"nnscaler.parallel.{name} is missing"
+        assert getattr(nnscaler.parallel, name) is getattr(nnscaler, name), name
+    wanted = "parallelize build_optimizer merge_state_dicts load_merged_state_dict broadcast_weights"
+    more = " sync_grad_when deduped_state_dict load_deduped_state_dict load_sharded_state_dict"
+    for name in (wanted + more).split():
+        assert name in nnscaler.parallel.NNSCALER_08_NAMES, name
+
+
 def _describe(obj: object) -> str:
     try:
         return str(inspect.signature(obj))  # type: ignore[arg-type]
@@ -151,6 +164,10 @@ def public_signatures() -> str:
                     target = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
                     sig = "<property>" if isinstance(value, property) else _describe(target)
                     lines.append(f"nnscaler.{name}.{member}{sig}")
+    for name in sorted(nnscaler.parallel.__all__):  # nnScaler 0.8's import path, and the driver's own names
+        obj = getattr(nnscaler.parallel, name)
+        same = getattr(nnscaler, name, None) is obj
+        lines.append(f"nnscaler.parallel.{name}" + (" = nnscaler." + name if same else _describe(obj)))
     fields = ", ".join(f"{f.name}: {f.type}" for f in ComputeConfig.__dataclass_fields__.values())
     lines.append(f"nnscaler.ComputeConfig fields ({fields})")
     return "\n".join(lines) + "\n"

@@ -37,8 +37,10 @@ def resolve_batch_sizes(
     micro: int, gbs: int | None, accum: int | None, compute_config: ComputeConfig
 ) -> tuple[int, int]:
     """(global_batch_size, grad_accumulation_steps) from micro_batch_size and either or both of them:
-    global = micro x data-parallel replicas x accumulation steps (no accumulation if neither is given)."""
+    global = micro x data-parallel replicas x accumulation steps (no accumulation if neither is given;
+    0 counts as not given, nnScaler 0.8's convention)."""
     sf = compute_config.runtime_ngpus // compute_config.plan_ngpus
+    gbs, accum = gbs or None, accum or None  # 0 means "derive it", as in nnScaler 0.8
     for name, value in (
         ("micro_batch_size", micro),
         ("global_batch_size", gbs),

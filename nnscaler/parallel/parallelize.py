@@ -17,10 +17,12 @@ import torch.distributed as dist
 from nnscaler.codegen import write_atomic
 from nnscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
 from nnscaler.errors import ConfigError
+from nnscaler.graph.capture.export import taken_forward_args
 from nnscaler.parallel.artifacts import read_saved, torch_bytes, verified_code
 from nnscaler.parallel.compile import compile_module
 from nnscaler.parallel.dirlock import compile_lock
 from nnscaler.parallel.fingerprint import fingerprint
+from nnscaler.parallel.nested import refuse_nested
 from nnscaler.parallel.resolved_policy import ResolvedPolicy, resolve_pas_policy
 from nnscaler.parallel.reuse import decide, finish_generation, start_generation
 from nnscaler.parallel.savedir import (
@@ -141,10 +143,7 @@ def load_generated_class(outdir: Path, rank: int, record: dict[str, dict] | None
     """
     path = outdir / f"gencode{rank}.py"
     if not path.exists():
-        raise FileNotFoundError(
-            f"{path} does not exist: if the ranks do not share gen_savedir's disk, parallelize with "
-            "broadcast_strategy='code' (or 'no_weights', 'all') so rank 0 sends the generated files"
-        )
+        raise _no_code(path)
     source = verified_code(outdir, rank, record)
     name = f"nnscaler_gencode_{abs(hash(str(path.resolve())))}_{rank}"
     module = types.ModuleType(name)
@@ -157,6 +156,39 @@ def load_generated_class(outdir: Path, rank: int, record: dict[str, dict] | None
         sys.modules.pop(name, None)
         raise
     return module.GenModel
+
+
+def _load_on_every_rank(outdir: Path, record: dict[str, dict] | None) -> type:
+    """This rank's generated class, once every rank has found its file (see below)."""
+    _check_every_rank_has_code(outdir)
+    return load_generated_class(outdir, _rank(), _shared_record(record))
+
+
+def _no_code(path: Path) -> ModuleNotFoundError:
+    """A missing gencode file: ModuleNotFoundError, as nnScaler 0.8 raises."""
+    return ModuleNotFoundError(
+        f"{path} does not exist: if the ranks do not share gen_savedir's disk, parallelize with "
+        "broadcast_strategy='code' (or 'no_weights', 'all') so rank 0 sends the generated files",
+        name=path.stem,
+    )
+
+
+def _check_every_rank_has_code(outdir: Path) -> None:
+    """Every rank finds its gencode file, or every rank raises (building the module needs them all: a
+    rank that loaded alone would wait for the others in its process groups forever). The rank without
+    the file raises ModuleNotFoundError (as nnScaler 0.8), the others ConfigError naming those ranks."""
+    if not _distributed():
+        return
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, (outdir / f"gencode{_rank()}.py").exists())
+    missing = [r for r, ok in enumerate(found) if not ok]
+    if missing and not found[_rank()]:
+        raise _no_code(outdir / f"gencode{_rank()}.py")
+    if missing:
+        raise ConfigError(
+            f"ranks {missing} do not find their generated code under {outdir} (no shared disk?): parallelize "
+            "with broadcast_strategy='code' (or 'no_weights', 'all') so rank 0 sends the generated files"
+        )
 
 
 def _shared_record(record: dict[str, dict] | None) -> dict[str, dict] | None:
@@ -245,7 +277,7 @@ def parallelize(
     _broadcast_files(outdir, broadcast_strategy)
     if not load_module:
         return None
-    gen_class = load_generated_class(outdir, _rank(), _shared_record(record))
+    gen_class = _load_on_every_rank(outdir, record)
     if gen_class.compute_config is None:
         gen_class.compute_config = compute_config
     if is_class:
@@ -351,6 +383,8 @@ def _generate(
         )
     if module_dtype is not None:
         module = module.to(module_dtype)
+    refuse_nested(module)
+    dummy_forward_args = taken_forward_args(module, dummy_forward_args)  # extra keys: warned, dropped
     check = should_verify(verify, module, dummy_forward_args)  # verify=True on meta weights: fail fast
     fp = fingerprint(module, dummy_forward_args, policy, cfg, __version__)
     with compile_lock(outdir):  # another job compiling into the same directory waits here

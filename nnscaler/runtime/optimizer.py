@@ -16,6 +16,7 @@ from nnscaler.runtime.checkpoint.piece_meta import optimizer_meta
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.grads.mixed_precision import MixedPrecisionOptimizer, find_mixed_precision
 from nnscaler.runtime.grads.reducer import average_gradients, grad_sq_norm, scale_grads
+from nnscaler.runtime.grads.reducer_hooks import OuterReducer, add_reducer_hook_methods
 from nnscaler.runtime.grads.zero import ZeroOptimizer
 from nnscaler.runtime.module import ParallelModule
 
@@ -55,6 +56,11 @@ def outer_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if id(p) not in inner]
 
 
+def _reducers(module: nn.Module) -> list[Any]:
+    """The gradient reducers of every ParallelModule in `module` (nnScaler's `reducers`)."""
+    return [r for _, pm in parallel_modules(module) for r in pm.reducers]
+
+
 def _world() -> dist.ProcessGroup | None:
     return dist.group.WORLD if is_initialized() and dist.get_world_size() > 1 else None
 
@@ -67,14 +73,19 @@ def sync_grads(module: nn.Module) -> None:
     average_gradients(outer_parameters(module), _world())
 
 
-def clip_gnorm(module: nn.Module, max_norm: float | None = None) -> torch.Tensor:
+def clip_gnorm(
+    module: nn.Module, max_norm: float | None = None, average_outer: Callable[[], None] | None = None
+) -> torch.Tensor:
     """Total gradient 2-norm of `module` (ParallelModules and outer parameters) as a 0-dim device
     tensor (no host sync); clip in place if asked."""
     if isinstance(module, ParallelModule):
         return module.total_gnorm(max_norm)
     pms = parallel_modules(module)
     outer = outer_parameters(module)
-    average_gradients(outer, _world())
+    if average_outer is None:
+        average_gradients(outer, _world())
+    else:  # the optimizer's OuterReducer (its hooks)
+        average_outer()
     total = grad_sq_norm(outer, device=runtime_device())
     for _, pm in pms:
         total = total + pm.grad_sq_norm().to(total.device)
@@ -168,16 +179,17 @@ def build_optimizer(
     else:
         params = [p for p in module.parameters() if p.requires_grad]
     built: list[torch.optim.Optimizer] = []
-    sync, clip = _step_hooks(module, built)
+    sync, clip, outer = _step_hooks(module, built)
     if any(pm.reducer is not None and pm.reducer.zero for _, pm in parallel_modules(module)):
         zero = ZeroOptimizer(module, params, optimizer_fn, sync, clip, lambda: param_names(module), **kwargs)
         _check_fp32_grads(module, zero)
         built.append(zero)
+        _reducer_hooks(zero, module, outer)
         return zero
     # a rank holding no trainable parameter (a frozen pipeline stage): one empty param group, so the
     # optimizer exists like on the other ranks and its state dict merges with theirs
     given: list[Any] = list(params) if params else [{"params": []}]
-    return _attach(module, optimizer_fn(given, **kwargs), built, sync, clip)
+    return _attach(module, optimizer_fn(given, **kwargs), built, sync, clip, outer)
 
 
 def attach_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -191,13 +203,15 @@ def attach_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> tor
             "slices of the parameters; build it with nnscaler.build_optimizer(module, OptimizerClass, ...)"
         )
     built: list[torch.optim.Optimizer] = []
-    sync, clip = _step_hooks(module, built)
-    return _attach(module, optimizer, built, sync, clip)
+    sync, clip, outer = _step_hooks(module, built)
+    return _attach(module, optimizer, built, sync, clip, outer)
 
 
 def _step_hooks(module: nn.Module, built: list[torch.optim.Optimizer]):
-    """(sync, clip) for the optimizer that will be appended to `built`."""
+    """(sync, clip, outer reducer or None) for the optimizer that will be appended to `built`."""
     outer = outer_parameters(module)
+    outer_reducer = OuterReducer(outer, _world()) if any(p.requires_grad for p in outer) else None
+    reduce_outer = outer_reducer.reduce if outer_reducer is not None else (lambda: None)
     synced = {"outer": False}
 
     def sync() -> None:
@@ -205,24 +219,30 @@ def _step_hooks(module: nn.Module, built: list[torch.optim.Optimizer]):
             if not pm._grads_synced:
                 pm.sync_grad()
         if not synced["outer"]:
-            average_gradients(outer, _world())
+            reduce_outer()
         synced["outer"] = False
 
     def clip(max_norm: float | None = None) -> torch.Tensor:
         mp = find_mixed_precision(built[0]) if built else None
         if mp is None:
-            norm = clip_gnorm(module, max_norm)
+            norm = clip_gnorm(module, max_norm, reduce_outer)
         else:  # the gradients are still scaled by the loss scale; clipping happens at the fp32 cast
-            norm = clip_gnorm(module, None) * mp.grad_multiplier
+            norm = clip_gnorm(module, None, reduce_outer) * mp.grad_multiplier
             if max_norm is not None:  # a device tensor: no host sync
                 mp.multiply_grads(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         synced["outer"] = True
         return norm
 
-    return sync, clip
+    return sync, clip, outer_reducer
 
 
-def _attach(module, optimizer, built, sync, clip) -> torch.optim.Optimizer:
+def _reducer_hooks(optimizer: torch.optim.Optimizer, module: nn.Module, outer: OuterReducer | None) -> None:
+    """nnScaler's reducer hooks over every reducer, and its name for the outer parameters' reducer."""
+    optimizer._non_parallel_module_reducer = outer  # type: ignore[attr-defined]
+    add_reducer_hook_methods(optimizer, lambda: _reducers(module) + ([outer] if outer is not None else []))
+
+
+def _attach(module, optimizer, built, sync, clip, outer) -> torch.optim.Optimizer:
     _check_fp32_grads(module, optimizer)
     built.append(optimizer)
 
@@ -232,4 +252,5 @@ def _attach(module, optimizer, built, sync, clip) -> torch.optim.Optimizer:
     optimizer.register_step_pre_hook(lambda opt, args, kw: sync())
     optimizer.register_state_dict_post_hook(add_names)
     optimizer.clip_gnorm = clip  # type: ignore[attr-defined]
+    _reducer_hooks(optimizer, module, outer)
     return optimizer

@@ -13,7 +13,13 @@ import torch
 from nnscaler.errors import TraceError
 from nnscaler.graph.capture.library_tracing import static_shape_choices
 
-__all__ = ["check_forward_args", "untraced_defaults", "export_module", "is_data_dependent"]
+__all__ = [
+    "check_forward_args",
+    "taken_forward_args",
+    "untraced_defaults",
+    "export_module",
+    "is_data_dependent",
+]
 
 _LITERALS = (type(None), bool, int, float, str)
 _DATA_DEPENDENT = ("data-dependent", "data dependent", "GuardOnDataDependentSymNode", "Could not guard on")
@@ -57,10 +63,26 @@ def check_forward_args(module: torch.nn.Module, dummy_forward_args: dict[str, An
     has_var_kw = any(p.kind == p.VAR_KEYWORD for p in params.values())
     unknown = [k for k in dummy_forward_args if k not in params]
     if unknown and not has_var_kw:
-        raise TraceError(
-            f"dummy_forward_args has {unknown} which {type(module).__name__}.forward{sig} does not take"
-        )
+        _warn_untaken(module, unknown, sig)
+        return names
     return names + unknown
+
+
+def _warn_untaken(module: torch.nn.Module, unknown: list[str], sig: inspect.Signature) -> None:
+    warnings.warn(
+        f"dummy_forward_args keys {unknown} are ignored: {type(module).__name__}.forward{sig} does not "
+        "take them (nnScaler 0.8's rule; remove them to silence this)",
+        stacklevel=3,
+    )
+
+
+def taken_forward_args(module: torch.nn.Module, dummy_forward_args: dict[str, Any]) -> dict[str, Any]:
+    """`dummy_forward_args` without the keys forward does not take (each named in a warning), as
+    nnScaler 0.8 ignores them; other mistakes raise TraceError (see check_forward_args)."""
+    if not isinstance(dummy_forward_args, dict):
+        return dummy_forward_args  # check_forward_args says what is wrong
+    taken = check_forward_args(module, dummy_forward_args)
+    return {k: v for k, v in dummy_forward_args.items() if k in taken}
 
 
 def untraced_defaults(module: torch.nn.Module, traced: list[str]) -> dict[str, Any]:

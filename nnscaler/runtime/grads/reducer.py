@@ -22,6 +22,7 @@ from nnscaler.runtime.grads.grad_ops import (  # re-exported: their historical h
     sq_norm_of,
 )
 from nnscaler.runtime.grads.hierarchy import Hierarchy, build_hierarchy
+from nnscaler.runtime.grads.reducer_hooks import ReducerHooksMixin
 from nnscaler.runtime.grads.sync_flags import reductions_skipped
 from nnscaler.runtime.grads.zero_slices import ZeroPiece, zero_groups, zero_process_groups
 
@@ -41,7 +42,7 @@ __all__ = [
 ]
 
 
-class Reducer:
+class Reducer(ReducerHooksMixin):
     """Averages gradients over the data-parallel group in buckets; optionally shards them (ZeRO).
 
     Buckets take parameters in reverse registration order (roughly the order backward produces
@@ -239,6 +240,8 @@ class Reducer:
         fresh, grads = not bucket.prepared, bucket.prepare()
         if self.fault is not None and fresh:
             self.fault.corrupt(id(bucket), grads, self.round)
+        if fresh:
+            self._apply_pre_hooks(grads)  # nnScaler's reducer pre-hooks (reducer_hooks.py)
         return grads
 
     def _launch(self, bucket: Bucket) -> None:
@@ -266,6 +269,7 @@ class Reducer:
             bucket.finish_gather(self.hier.intra)
         else:
             bucket.finish(self.scatter)
+        self._apply_post_hooks([bucket])  # nnScaler's reducer post-hooks (reducer_hooks.py)
 
     def _drain(self, until: Bucket) -> None:
         """Finish the launched buckets up to `until`, in launch order (the order every rank shares, so

@@ -1,13 +1,14 @@
 """nnScaler 0.8's ParallelModule members that our own API names differently (mixed into
 ParallelModule), so code written for nnScaler runs unchanged: `reducers`, `parameters_for_broadcast`,
-`parameters_for_calc_gnorm`, and the per-rank checkpoint files of `get_checkpoint` /
-`save_checkpoint` / `merge_checkpoints`."""
+`parameters_for_calc_gnorm`, the per-rank checkpoint files of `get_checkpoint` /
+`save_checkpoint` / `merge_checkpoints`, and `merge_partial_states`."""
 
 from __future__ import annotations
 
 import glob
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from nnscaler.runtime.checkpoint.files import atomic_save
+from nnscaler.runtime.checkpoint.formats import EXTRA_STATE_FORMAT, EXTRA_STATE_KEY, OPTIMIZER_META_KEY
 
 __all__ = ["ModuleCompatMixin", "ParamsInfo"]
 
@@ -91,6 +93,35 @@ class ModuleCompatMixin:
         return path
 
     @staticmethod
+    def merge_partial_states(
+        state_dicts: list[tuple[Any, ...]], zero_idx_maps: list[Any] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """nnScaler's merge of per-rank `(model_state_dict, optimizer_state_dict, dist_param_map,
+        fullmap)` tuples (one per rank, in rank order) into (full model state dict, full optimizer
+        state dict or None).
+
+        Our state dicts carry their own sharding metadata and go to `merge_state_dicts` as they are;
+        a dict without it (e.g. `{name: p.grad for name, p in module.named_parameters()}`) is keyed by
+        the module's local names and described by the tuple's fullmap, as nnScaler reads it (all
+        entries one plan: `plan_ngpus = len(state_dicts)`). Entries set to None (deduplicated ranks)
+        are skipped. Optimizer state dicts without our metadata and `zero_idx_maps` are ignored with
+        a warning (our optimizer state dicts describe their ZeRO slices themselves).
+        """
+        from nnscaler.runtime.checkpoint.merge import merge_state_dicts
+
+        if zero_idx_maps is not None:
+            _ignored(
+                "zero_idx_maps is ignored (the optimizer state dicts describe their ZeRO slices themselves)"
+            )
+        entries = [e for e in state_dicts if e[0] is not None]
+        models = [_described(e, rank, len(entries)) for rank, e in enumerate(entries)]
+        opts = [e[1] for e in entries if len(e) > 1 and e[1] is not None]
+        if opts and not all(OPTIMIZER_META_KEY in o for o in opts):
+            _ignored("the optimizer state dicts have no nnscaler metadata (build_optimizer's): not merged")
+            opts = []
+        return merge_state_dicts(models, opts or None)
+
+    @staticmethod
     def merge_checkpoints(filename_prefix: str = "dist_checkpoint") -> str:
         """Merge the `{filename_prefix}-{rank}.ckpt` files of every rank into `{filename_prefix}.full.ckpt`
         (single-device model and optimizer state dicts); returns its path."""
@@ -112,3 +143,32 @@ class ModuleCompatMixin:
         path = f"{filename_prefix}.full.ckpt"
         atomic_save({"state_dict": model, "optim_state_dict": opt}, path)
         return path
+
+
+def _ignored(what: str) -> None:
+    warnings.warn(f"merge_partial_states: {what}", stacklevel=3)
+
+
+def _described(entry: tuple[Any, ...], rank: int, nranks: int) -> dict[str, Any]:
+    """A rank's model state dict with our metadata: as given when it has it, else rebuilt from the
+    entry's fullmap (local name -> attribute info) under original names."""
+    sd = entry[0]
+    fullmap = entry[3] if len(entry) > 3 else None
+    if any(k.endswith(EXTRA_STATE_KEY) for k in sd) or not fullmap:
+        return sd
+    out: dict[str, Any] = {}
+    metas: dict[str, Any] = {}
+    for local, value in sd.items():
+        info = fullmap.get(local)
+        if info is not None:
+            out[info.original_name] = value
+            metas[info.original_name] = info.to_meta()
+    out[EXTRA_STATE_KEY] = {
+        "format": EXTRA_STATE_FORMAT,
+        "rank": rank,
+        "world_size": nranks,
+        "plan_ngpus": nranks,
+        "fullmap": metas,
+        "aliases": {},
+    }
+    return out
