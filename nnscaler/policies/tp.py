@@ -38,7 +38,7 @@ from nnscaler.graph.ir import Graph, Node, Shard
 from nnscaler.graph.ops import BoundAnno, annotate_node, get_rule, layouts_for, split_layouts
 from nnscaler.policies.blocks import blocks_hint, sub_dims
 from nnscaler.policies.context_parallel import context_parallel_of, with_context_parallel
-from nnscaler.policies.expert_parallel import check_ep_size, with_expert_parallel
+from nnscaler.policies.expert_parallel import MOE_EXPERTS_OP, check_ep_size, with_expert_parallel
 from nnscaler.policies.flow import FlowTracer
 from nnscaler.policies.options import TpOptions
 from nnscaler.policies.plan import NodePlan, Plan
@@ -76,6 +76,8 @@ class _TpDecider:
             return self._weighted(state, w, bound)
         if any(r.name in self.gathered for r in tensor_refs(self.graph, node)):
             return NodePlan()  # reads a gathered column-parallel output: whole
+        if node.op == MOE_EXPERTS_OP:
+            return self._experts(bound)
         if node.op == "aten.embedding.default":
             return self._embedding(node, bound)
         if node.op == "nnscaler.chunk_linear_cross_entropy.default":  # nnscaler.runtime.chunked_loss
@@ -128,6 +130,17 @@ class _TpDecider:
                 found.append(before)
             before *= size
         return list(dict.fromkeys(found))
+
+    def _experts(self, bound: BoundAnno) -> NodePlan:
+        """Mixture-of-experts experts (one op): every expert's intermediate features split, Megatron's
+        column-parallel gate/up and row-parallel down for each expert (partial sums, one all-reduce)."""
+        if isinstance(split_layouts(bound, "i", self.ways), str):
+            return NodePlan(
+                note=f"experts kept whole: intermediate size {bound.sizes.get('i')} not split {self.ways} ways"
+            )
+        return NodePlan(
+            "i", self.ways, note="experts: intermediate features split (column gate/up, row down)"
+        )
 
     def _embedding(self, node: Node, bound: BoundAnno) -> NodePlan | None:
         refs = tensor_refs(self.graph, node)

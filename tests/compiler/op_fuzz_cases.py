@@ -526,3 +526,16 @@ def _chunk_linear_ce(d: Draw) -> list[tuple]:
 
 
 COMPUTE_CASES["nnscaler.chunk_linear_cross_entropy.default"] = cases(_chunk_linear_ce)
+
+
+def _moe_experts(d: Draw) -> list[tuple]:
+    """nnscaler.runtime.moe: tokens routed top-2 over 4 experts (uneven counts), silu-gated experts."""
+    import nnscaler.runtime.moe  # noqa: F401  (registers torch.ops.nnscaler.moe_experts)
+
+    t, h, i, e, k = 8, 4, 4, 4, 2
+    index = torch.stack([torch.tensor(d.rng.sample(range(e), k)) for _ in range(t)])
+    weights = d.f(t, k).softmax(-1)
+    return [(d.f(t, h), index, weights, d.f(e, 2 * i, h), d.f(e, h, i), "silu")]
+
+
+COMPUTE_CASES["nnscaler.moe_experts.default"] = cases(_moe_experts)

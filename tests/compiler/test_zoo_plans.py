@@ -79,7 +79,10 @@ def test_collectives_per_block_are_megatron_style(graphs, name):
         for s in program.statements
         if s.kind == "comm" and (s.module_path == block or s.module_path.startswith(block + "."))
     )
-    assert comms == Counter({"reduce_from_group": 2, "copy_to_group": 2}), comms
+    want = Counter({"reduce_from_group": 2, "copy_to_group": 2})
+    if name == "mixtral":  # the experts op reads the router weights whole: their gradient is summed too (f)
+        want["copy_to_group"] += 1
+    assert comms == want, comms
 
 
 def test_mixtral_expert_weights_are_stored_sharded(graphs):
