@@ -26,6 +26,7 @@ from nnscaler.errors import ConfigError
 from nnscaler.integration.lightning.fabric.checkpoint import load_into, merge_fabric_checkpoint
 from nnscaler.integration.lightning.optimizers import nnscaler_optimizer
 from nnscaler.integration.lightning.pytorch.checkpoint import read_rank_checkpoint, write_rank_checkpoint
+from nnscaler.integration.lightning.replicas import ReplicaRanks
 from nnscaler.runtime.dist.groups import create_groups, get_group
 from nnscaler.runtime.module import ParallelModule
 
@@ -43,7 +44,7 @@ def adopt(module: nn.Module, pm: ParallelModule) -> None:
     module.forward = pm
 
 
-class NnScalerFabricStrategy(DDPStrategy):
+class NnScalerFabricStrategy(ReplicaRanks, DDPStrategy):
     """`compute_config`, `pas_policy` as for `nnscaler.parallelize`; `dummy_forward_args`: a dict of
     forward arguments to trace with (default: the model's `dummy_forward_args` attribute); further
     keywords go to `nnscaler.parallelize`."""
@@ -101,32 +102,18 @@ class NnScalerFabricStrategy(DDPStrategy):
 
     def _set_world_ranks(self) -> None:
         super()._set_world_ranks()
-        if self.world_size != self.compute_config.runtime_ngpus:
-            raise ConfigError(
-                f"NnScalerFabricStrategy: Fabric runs {self.world_size} processes (devices x num_nodes) but "
-                f"compute_config.runtime_ngpus is {self.compute_config.runtime_ngpus}: make them equal"
-            )
+        self._check_world("NnScalerFabricStrategy", "Fabric")
 
     def setup_environment(self) -> None:
         super().setup_environment()
         nnscaler.init()
         create_groups(self._replica_groups())
 
-    def _replica_groups(self) -> list[list[int]]:
-        plan = self.compute_config.plan_ngpus
-        return [list(range(i, self.world_size, plan)) for i in range(plan)]
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """One shard of the data per data-parallel replica: the ranks of a plan read the same batch."""
-        plan = self.compute_config.plan_ngpus
-        return {"num_replicas": self.world_size // plan, "rank": self.global_rank // plan}
-
     def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Over the data-parallel replicas only: the ranks of one plan hold the same value."""
         if group is not None or not isinstance(tensor, torch.Tensor):
             return super().all_reduce(tensor, group, reduce_op)
-        ranks = self._replica_groups()[self.global_rank % self.compute_config.plan_ngpus]
+        ranks = self._my_replica_ranks()
         return tensor if len(ranks) == 1 else super().all_reduce(tensor, get_group(ranks), reduce_op)
 
     # -- module and optimizers -------------------------------------------------------------------------

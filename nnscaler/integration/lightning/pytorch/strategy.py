@@ -36,6 +36,7 @@ from nnscaler.integration.lightning.pytorch.checkpoint import (
     saved_state_dict_type,
     write_rank_checkpoint,
 )
+from nnscaler.integration.lightning.replicas import ReplicaRanks
 from nnscaler.runtime.checkpoint.save_types import (
     DEDUPED,
     PER_RANK_SAVE_TYPES,
@@ -51,7 +52,7 @@ STATE_DICT_TYPES = PER_RANK_SAVE_TYPES
 """'sharded' and 'deduped', the runtime's save types of which every rank writes its own file."""
 
 
-class NnScalerStrategy(DDPStrategy):
+class NnScalerStrategy(ReplicaRanks, DDPStrategy):
     """`compute_config` and `pas_policy` as for `nnscaler.parallelize`; `state_dict_type`:
     'sharded' (every rank saves its pieces) or 'deduped' (one copy of each piece over the
     data-parallel replicas); further keywords go to `nnscaler.parallelize`."""
@@ -110,21 +111,12 @@ class NnScalerStrategy(DDPStrategy):
 
     def set_world_ranks(self) -> None:
         super().set_world_ranks()  # checked here: before the process group is created
-        if self.world_size != self.compute_config.runtime_ngpus:
-            raise ConfigError(
-                f"NnScalerStrategy: Lightning runs {self.world_size} processes (devices x num_nodes) but "
-                f"compute_config.runtime_ngpus is {self.compute_config.runtime_ngpus}: make them equal"
-            )
+        self._check_world("NnScalerStrategy", "Lightning")
 
     def setup_environment(self) -> None:
         super().setup_environment()
         nnscaler.init()
         create_groups(self._replica_groups())
-
-    def _replica_groups(self) -> list[list[int]]:
-        """The ranks holding the same piece of the plan, one per data-parallel replica."""
-        plan = self.compute_config.plan_ngpus
-        return [list(range(i, self.world_size, plan)) for i in range(plan)]
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """`self.log(..., sync_dist=True)` reduces over the data-parallel replicas only: the ranks of
@@ -132,18 +124,12 @@ class NnScalerStrategy(DDPStrategy):
         them all would multiply a sum by plan_ngpus."""
         if group is not None or not isinstance(tensor, torch.Tensor):
             return super().reduce(tensor, group, reduce_op)
-        ranks = self._replica_groups()[self.global_rank % self.compute_config.plan_ngpus]
+        ranks = self._my_replica_ranks()
         if len(ranks) == 1:
             return tensor
         return super().reduce(
             tensor, get_group(ranks), reduce_op
         )  # the process group is up (Lightning's); nnscaler binds its device and state
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """One shard of the data per data-parallel replica: the ranks of a plan read the same batch."""
-        plan = self.compute_config.plan_ngpus
-        return {"num_replicas": self.world_size // plan, "rank": self.global_rank // plan}
 
     # -- the module --------------------------------------------------------------------------------
 
