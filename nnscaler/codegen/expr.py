@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import copy
 import math
 from collections.abc import Callable
@@ -111,7 +112,7 @@ def op_expression(s: Statement, f: Formatter) -> str:
     if op in _SPECIAL:
         return _SPECIAL[op](s, f)
     if op in _BINARY and len(s.args) == 2 and not s.kwargs:
-        return f"{f(s.args[0])} {_BINARY[op]} {f(s.args[1])}"
+        return f"{_operand(f(s.args[0]))} {_BINARY[op]} {_operand(f(s.args[1]))}"
     if op in _METHOD:
         return _call(f"{f(s.args[0])}.{_METHOD[op]}", [f(a) for a in s.args[1:]], _tensor_kwargs(s, f))
     if op in _TORCH_FN:
@@ -156,9 +157,18 @@ def _emitted(emit: Callable, s: Statement, f: Formatter) -> str:
     return code
 
 
+_ATOMS = (ast.Name, ast.Constant, ast.Attribute, ast.Subscript, ast.Call, ast.List, ast.Tuple)
+
+
 def _operand(code: str) -> str:
-    """Parenthesise a rendered value used as an operand unless it is a plain name or number."""
-    return code if code.replace("_", "").replace(".", "").isalnum() else f"({code})"
+    """Parenthesise a rendered value used as an operand unless it is one atom (a name, a non-negative
+    number, an attribute, a call): a run-time size such as `2*torch.sym_float(n)` under `/` must stay
+    whole (`x / (2*n)`, not `x / 2*n`)."""
+    try:
+        node = ast.parse(code, mode="eval").body
+    except SyntaxError:
+        return f"({code})"
+    return code if isinstance(node, _ATOMS) else f"({code})"
 
 
 def statement_code(s: Statement, f: Formatter) -> str:
