@@ -3,8 +3,7 @@ Qwen2-MoE (a gated shared expert), DeepSeek-V3 (shared experts, group-limited ro
 hand-written block (router, load-balancing and z losses, a shared expert, experts written as a dense
 loop). Each has >= 4 experts and top-2 routing. `*_aux` variants add the router's auxiliary loss to
 the loss (exact only without data-parallel replicas: the loss is not linear in the batch; the
-transformers ones, output_router_logits=True, fail parallelize's capture check today, with or
-without the experts op: a capture issue of `load_balancing_loss_func` to look into);
+transformers ones set output_router_logits=True);
 `*_capacity` ones run their experts with a capacity factor that drops assignments, on one device too.
 """
 

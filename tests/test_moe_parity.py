@@ -2,9 +2,8 @@
 Mixtral, Qwen2-MoE, DeepSeek-V3 and a hand-written block (tests/models_moe.py), with ep 4 and ep 2
 over 4 ranks, tp 2 x ep 2, and a capacity factor that drops assignments. Cases with the router's
 auxiliary losses (the hand-written block's load-balancing and z losses) run without data-parallel
-replicas (those losses are not linear in the batch). transformers' own auxiliary loss
-(output_router_logits) is left out: its capture does not verify today, with or without expert
-parallelism (models_moe.py)."""
+replicas (those losses are not linear in the batch), as do transformers' own auxiliary losses
+(Mixtral's and Qwen2-MoE's output_router_logits=True)."""
 
 from __future__ import annotations
 
@@ -36,3 +35,10 @@ def test_ep2_over_4_ranks(tmp_path):
     """ep 2 inside each plan, two data-parallel replicas of it: experts reduced across replicas only."""
     models = ["build_mixtral", "build_qwen2_moe", "build_deepseek_v3", "build_hand"]
     run_parity_many([_case(m, 2, 2) for m in models], 4, tmp_path=tmp_path, timeout=550)
+
+
+@pytest.mark.timeout(600)
+def test_hf_router_aux_losses_ep4(tmp_path):
+    """transformers' load-balancing loss (output_router_logits=True) added to the LM loss, ep 4."""
+    cases = [_case(m, 4, 4) for m in ("build_mixtral_aux", "build_qwen2_moe_aux")]
+    run_parity_many(cases, 4, tmp_path=tmp_path, timeout=550)
