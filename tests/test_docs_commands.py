@@ -88,6 +88,7 @@ NOT_RUN: dict[str, str] = {
     "pip install torch==2.13.0": INSTALL,
     "pip install -e .": INSTALL,
     "pip install -e .[test]": INSTALL,
+    "pip install -e .[lightning]": INSTALL,
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": INSTALL,
     "pytest -q": "the whole test suite: this file is part of it",
     "torchrun --nproc_per_node 4 examples/nanogpt/train.py --plan_ngpus 2 --runtime_ngpus 4": NANOGPT,

@@ -25,7 +25,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
-import lightning.pytorch as pl  # noqa: E402
+try:
+    import lightning.pytorch as pl  # noqa: E402
+except ModuleNotFoundError as exc:  # an optional dependency: say how to get it
+    raise SystemExit(
+        f"train_nnscaler.py needs PyTorch Lightning ({exc}); install it with `pip install -e .[lightning]` "
+        "(or `pip install lightning`)"
+    ) from None
 from torch.utils.data import DataLoader  # noqa: E402
 
 from examples.nanogpt.cli_data import CharDataset  # noqa: E402
