@@ -59,13 +59,14 @@ def record_routing(top_k_index: torch.Tensor) -> None:
 
 
 def _exchange_counts(counts: torch.Tensor, tokens: int, ep: int, group: Any) -> torch.Tensor:
-    """[ep, E_local] assignments this rank sends -> [ep, E_local + 1] it receives (last: tokens)."""
+    """[ep, E_local] assignments this rank sends -> [ep, E_local + 1] it receives (last: tokens), on the
+    host. The exchange runs where `counts` lives (the hidden states' device: NCCL takes no CPU tensors)."""
     local = counts.numel() // ep
-    send = torch.cat([counts.view(ep, local), torch.full((ep, 1), tokens, dtype=counts.dtype)], dim=1)
-    send = send.to(torch.int64).contiguous()
+    column = torch.full((ep, 1), tokens, dtype=counts.dtype, device=counts.device)
+    send = torch.cat([counts.view(ep, local), column], dim=1).to(torch.int64).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    return recv
+    return recv.cpu()
 
 
 def _by_expert(recv_counts: torch.Tensor) -> torch.Tensor:
@@ -97,8 +98,8 @@ def expert_parallel_experts(
     local = gate_up_proj.shape[0]
     experts, tokens, k = local * ep, hidden.shape[0], top_k_index.shape[-1]
     order, counts = sort_by_expert(top_k_index, experts)
-    recv_counts = _exchange_counts(counts.cpu(), tokens, ep, group)
-    send_rows = counts.view(ep, local).sum(1).tolist()
+    recv_counts = _exchange_counts(counts, tokens, ep, group)
+    send_rows = counts.view(ep, local).sum(1).tolist()  # host syncs: the split sizes
     per_source = recv_counts[:, :local]
     recv_rows = per_source.sum(1).tolist()
     arrived = all_to_all_v(hidden[order // k], send_rows, recv_rows, group)
