@@ -7,10 +7,13 @@ module and `model(...)` runs it) and sets the optimizer up over this rank's shar
 slices: nnscaler.integration.lightning.optimizers). Processes, launching and collectives are Fabric's
 DDP machinery (gloo on CPU, NCCL on CUDA); `fabric.save` / `fabric.load` write and read one file per
 rank in a directory (as NnScalerStrategy), `merge_checkpoint` makes one single-device checkpoint.
+With a pipeline (`use_end2end=True`, e.g. the 'pp' or 'hybrid' policy) `model(...)` runs the whole
+schedule, forward and backward (nnscaler.integration.lightning.fabric.pipeline).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -24,6 +27,7 @@ import nnscaler
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import ConfigError
 from nnscaler.integration.lightning.fabric.checkpoint import load_into, merge_fabric_checkpoint
+from nnscaler.integration.lightning.fabric.pipeline import PipelinedCall
 from nnscaler.integration.lightning.optimizers import nnscaler_optimizer
 from nnscaler.integration.lightning.pytorch.checkpoint import read_rank_checkpoint, write_rank_checkpoint
 from nnscaler.integration.lightning.replicas import ReplicaRanks
@@ -33,15 +37,15 @@ from nnscaler.runtime.module import ParallelModule
 __all__ = ["NnScalerFabricStrategy"]
 
 
-def adopt(module: nn.Module, pm: ParallelModule) -> None:
-    """Move `module`'s weights out (they live in `pm` now) and route its calls to `pm`."""
+def adopt(module: nn.Module, pm: ParallelModule, call: nn.Module) -> None:
+    """Move `module`'s weights out (they live in `pm` now) and route its calls to `call`."""
     for name, child in list(module.named_children()):
         if any(True for _ in child.parameters()) or any(True for _ in child.buffers()):
             setattr(module, name, None)
     for name in list(module._parameters):
         module.register_parameter(name, None)
     module.nnscaler_module = pm
-    module.forward = pm
+    object.__setattr__(module, "forward", call)  # not a submodule: its weights are nnscaler_module's
 
 
 class NnScalerFabricStrategy(ReplicaRanks, DDPStrategy):
@@ -73,11 +77,6 @@ class NnScalerFabricStrategy(ReplicaRanks, DDPStrategy):
             )
         if pas_policy is None:
             raise ConfigError("NnScalerFabricStrategy needs pas_policy (e.g. 'dp', 'tp', 'autodist')")
-        if compute_config.use_end2end:
-            raise ConfigError(
-                "NnScalerFabricStrategy: pipelines / end-to-end mode (use_end2end=True) are not supported with "
-                "Fabric yet; use NnScalerStrategy with the Lightning Trainer, or nnscaler.parallelize in your loop"
-            )
         backend = kwargs.pop("process_group_backend", None)
         super().__init__(
             accelerator=accelerator,
@@ -97,6 +96,8 @@ class NnScalerFabricStrategy(ReplicaRanks, DDPStrategy):
         }
         self._parallelize_kwargs.update(kwargs)
         self.parallel_module: ParallelModule | None = None
+        self.pipelined: PipelinedCall | None = None
+        """With a pipeline: what `fabric.setup` returned as the model (its calls run the schedule)."""
 
     # -- processes -------------------------------------------------------------------------------
 
@@ -130,9 +131,14 @@ class NnScalerFabricStrategy(ReplicaRanks, DDPStrategy):
         pm = nnscaler.parallelize(
             module, dummy, self.pas_policy, self.compute_config, **self._parallelize_kwargs
         )
-        adopt(module, pm)
         self.parallel_module = pm
-        return pm
+        if not self.compute_config.use_end2end:
+            adopt(module, pm, pm)
+            return pm
+        self.pipelined = PipelinedCall(pm, inspect.signature(module.forward))
+        self.backward = self._pipelined_backward  # type: ignore[method-assign]
+        adopt(module, pm, self.pipelined)
+        return self.pipelined
 
     def module_to_device(self, module: nn.Module) -> None:
         """The parallel module places its shards itself (nnscaler.runtime.device)."""
@@ -142,12 +148,32 @@ class NnScalerFabricStrategy(ReplicaRanks, DDPStrategy):
             raise ConfigError(
                 "NnScalerFabricStrategy: set the model up first (fabric.setup(model, optimizer))"
             )
-        return nnscaler_optimizer(self.parallel_module, optimizer, "NnScalerFabricStrategy", rebind=True)
+        optimizer = nnscaler_optimizer(self.parallel_module, optimizer, "NnScalerFabricStrategy", rebind=True)
+        pipelined = self.pipelined
+        if pipelined is not None:
+            # the model call already ran backward: gradients are zeroed before the first call after a step
+            optimizer.zero_grad = lambda set_to_none=True: None
+            optimizer.register_step_post_hook(lambda *args: setattr(pipelined, "grads_stale", True))
+        return optimizer
+
+    def _pipelined_backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """`backward` with a pipeline (bound in setup_module, so that only then Fabric also refuses a plain
+        `loss.backward()`): the model call ran backward already; accept only the loss it returned."""
+        pipelined = self.pipelined
+        assert pipelined is not None
+        if tensor is not pipelined.last_loss:
+            raise ConfigError(
+                "NnScalerFabricStrategy with a pipeline (use_end2end=True): `model(...)` runs forward and backward, "
+                "so fabric.backward takes the loss it returned, unchanged; compute the whole loss (and any scaling) "
+                "inside the model's forward, and use pas_config['pipeline_nmicros'] for gradient accumulation"
+            )
+        pipelined.last_loss = None
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        """`fabric.no_backward_sync(model)`: accumulate gradients without reducing them."""
+        """`fabric.no_backward_sync(model)`: accumulate gradients without reducing them (with a pipeline
+        every call reduces its own gradients: a no-op)."""
         pm = self.parallel_module
-        return pm.no_sync() if enabled and pm is not None else nullcontext()
+        return pm.no_sync() if enabled and pm is not None and self.pipelined is None else nullcontext()
 
     def clip_gradients_norm(
         self,
