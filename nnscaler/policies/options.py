@@ -298,6 +298,15 @@ class AutodistOptions(PipelineOptions):
             min=2,
         ),
     )
+    ep_size: int | Literal["auto"] = field(
+        default="auto",
+        metadata=_doc(
+            "Expert parallelism: devices of each stage the experts of mixture-of-experts layers are split "
+            "over (docs/moe.md). 'auto': every divisor of a stage's devices that divides every layer's "
+            "experts is searched (1 = off; only for models with a recognised MoE layer); an int pins it.",
+            min=1,
+        ),
+    )
     update_freq: int | list[int] | None = field(
         default=None,
         metadata=_doc(

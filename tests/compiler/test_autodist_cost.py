@@ -43,7 +43,7 @@ def test_device_table():
 
 
 def test_shipped_clusters():
-    assert shipped_clusters() == ["cpu_gloo", "h100x64_ib", "h100x8"]
+    assert shipped_clusters() == ["cpu_gloo", "h100x256_ib", "h100x64_ib", "h100x8"]
     one = load_cluster("h100x8")
     assert one.ndevices == 8 and one.device.name == "h100" and one.link(8) == one.intra_node
     many = load_cluster("h100x64_ib")

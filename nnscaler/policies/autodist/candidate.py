@@ -42,6 +42,16 @@ class Candidate:
     the reorder and Ulysses all-to-alls, a plain ring's causal imbalance (included in step_time)."""
     cp_rejected: tuple[tuple[str, str], ...] = ()
     """(configuration, why not taken) for the other context-parallel degrees and kinds (on the winner)."""
+    ep: int = 1
+    """Expert-parallel degree: the batch and the experts split over `ep` more devices per stage (pp and
+    tp count the rest); 1: off (autodist/expert_parallel.py)."""
+    ep_bytes: float = 0.0
+    """Bytes per step one device sends and receives in the experts' all-to-alls (every layer, every
+    micro-batch, forward and backward)."""
+    ep_comm: float = 0.0
+    """Seconds per step of those all-to-alls (not overlapped: included in step_time)."""
+    ep_rejected: tuple[tuple[str, str], ...] = ()
+    """(configuration, why not taken) for the other expert-parallel degrees (on the winner)."""
 
     @property
     def time_per_micro(self) -> float:
@@ -52,7 +62,8 @@ class Candidate:
         seed = ", megatron layout" if self.origin == "megatron" else ""
         zero = f", zero{self.zero}" if self.zero else ""
         cp = f" cp={self.cp.size} ({self.cp_label()})" if self.cp else ""
-        return f"pp={self.pp}{cp} tp={self.tp} nmicros={self.nmicros}{rc}{seed}{zero}"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"pp={self.pp}{cp}{ep} tp={self.tp} nmicros={self.nmicros}{rc}{seed}{zero}"
 
     @property
     def cp_size(self) -> int:

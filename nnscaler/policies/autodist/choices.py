@@ -15,6 +15,7 @@ from nnscaler.graph.ops import (
     mesh_layouts_for,
     split_candidates,
 )
+from nnscaler.graph.ops.moe import MOE_EXPERTS_OP
 from nnscaler.policies.autodist.comm import all_reduce
 from nnscaler.policies.autodist.constraints import PartitionConstraints, unsatisfiable_error
 from nnscaler.policies.autodist.cost import CostContext, compute_time, is_free_op, local_bytes, node_flops
@@ -26,6 +27,7 @@ from nnscaler.policies.plan import REPLICATE, NodePlan
 __all__ = ["Choice", "NodeChoices", "node_choices", "tensor_refs"]
 
 _MATMUL_PREFIX = ("aten.linear", "aten.mm", "aten.bmm", "aten.matmul", "aten.addmm", "aten.baddbmm")
+_MATMUL_LIKE = ("attention", "conv", "moe_experts")
 
 
 @dataclass(frozen=True)
@@ -197,7 +199,9 @@ def node_choices(
     flops = node_flops(node, graph) * scale
     dtype = next((m.dtype for m in metas_out if m is not None), "float32")
     free = is_free_op(node, graph)
-    matmul = node.op.startswith(_MATMUL_PREFIX) or "attention" in node.op or "conv" in node.op
+    matmul = node.op.startswith(_MATMUL_PREFIX) or any(k in node.op for k in _MATMUL_LIKE)
+    pctx, shard = (ctx.experts_context(), ctx.ep_degree) if node.op == MOE_EXPERTS_OP else (ctx, 1)
+    read_bytes = [b / shard if graph.values[r].kind == "param" else b for r, b in zip(refs, in_bytes)]
     mesh = ctx.mesh
     if only is not None:
         candidates = [_with_layouts(node, refs, bound, rule, only, mesh)]
@@ -207,7 +211,7 @@ def node_choices(
         if ins is None or (constraints is not None and not constraints.allows(graph, node, bound, plan)):
             continue
         ways = ctx.plan_ways(plan)
-        moved = sum(local_bytes(b, lay_, ways, mesh) for b, lay_ in zip(in_bytes, ins)) + sum(
+        moved = sum(local_bytes(b, lay_, ways, mesh) for b, lay_ in zip(read_bytes, ins)) + sum(
             local_bytes(b, lay_, ways, mesh) for b, lay_ in zip(out_bytes, outs)
         )
         compute = 0.0 if free else compute_time(flops / ways, moved, ctx, dtype, matmul)
@@ -225,6 +229,8 @@ def node_choices(
             ctx=ctx,
             memory=memory,
             owned_params=owned_params,
+            pctx=pctx,
+            shard=shard,
             comm=_internal_comm(bound, rule, plan, in_bytes, out_bytes, ctx),
             bias_slot=rule.bias_input if _bias_axes(bound, rule, plan, ctx) else None,
         )
@@ -232,18 +238,21 @@ def node_choices(
         # was made: counted again, views made Llama-3-8B's predicted activations 1.3x what they are
         keeps = saved and ctx.training and not free
         act = sum(local_bytes(b, o, ways, mesh) for b, o in zip(out_bytes, outs)) if keeps else 0.0
-        mem = memory.param_state_bytes(param_local, ctx) + act * memory.activation_factor
+        mem = memory.param_state_bytes(param_local, pctx) + act * memory.activation_factor
         out.choices.append(Choice(plan, ins, outs, compute, comm, mem, sync, param_local, act))
     if not out.choices and constraints:  # the rules forbid every partition the shapes allow
         valid = [_label(plan) for plan, ins, _ in candidates if ins is not None and plan.is_split]
         raise unsatisfiable_error(graph, node, ctx.ways, constraints, valid, bound)
     if not out.choices:  # `only` is not valid here: replicate (build_problem reports the fixed plan)
-        ins = tuple(Replicate() if m is not None else None for m in metas_in)
         compute = compute_time(flops, sum(in_bytes) + sum(out_bytes), ctx, dtype, matmul)
-        out.choices.append(
-            Choice(REPLICATE, ins, tuple(Replicate() for _ in node.outputs), compute, 0.0, 0.0)
-        )
+        out.choices.append(_replicated(node, metas_in, compute))
     return out
+
+
+def _replicated(node: Node, metas_in, compute: float) -> Choice:
+    """The fallback choice of a node whose fixed plan is not valid: replicated, nothing else counted."""
+    ins = tuple(Replicate() if m is not None else None for m in metas_in)
+    return Choice(REPLICATE, ins, tuple(Replicate() for _ in node.outputs), compute, 0.0, 0.0)
 
 
 def _label(plan: NodePlan) -> str:
@@ -265,10 +274,13 @@ def _param_costs(
     owned_params: set[str],
     comm: float,
     bias_slot: int | None,
+    pctx: CostContext | None = None,
+    shard: int = 1,
 ) -> tuple[float, float, float]:
     """What the parameters and buffers a choice reads add: (`comm` plus the all-reduces of replicated
     parameters' partial gradients, bytes per device of the owned ones, seconds of their gradient sync).
-    bias_slot: the input added once after the op's all-reduce (no partial gradient)."""
+    bias_slot: the input added once after the op's all-reduce (no partial gradient). pctx, shard: the
+    owned parameters' replica group and the further split of their bytes (an experts op under ep)."""
     param_local = 0.0
     sync = 0.0
     ways = ctx.plan_ways(plan)
@@ -279,10 +291,10 @@ def _param_costs(
         if value.kind == "param" and plan.is_split and ctx.training and slot != bias_slot:
             comm += _partial_grad_time(b, lay_, plan, ctx)  # each device holds a partial gradient
         if ref in owned_params:
-            local = local_bytes(b, lay_, ways, ctx.mesh)
+            local = local_bytes(b, lay_, ways, ctx.mesh) / shard
             param_local += local
             if value.kind == "param":
-                sync += memory.grad_sync_time(local, ctx)
+                sync += memory.grad_sync_time(local, pctx or ctx)
     return comm, param_local, sync
 
 

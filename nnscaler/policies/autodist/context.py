@@ -15,6 +15,7 @@ from nnscaler.policies.autodist.cost import CostContext
 from nnscaler.policies.autodist.dataflow import crossing_values
 from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.memory import MemoryModel
+from nnscaler.policies.expert_parallel import experts_nodes
 from nnscaler.runtime.grads.buckets import DEFAULT_BUCKET_CAP_MB
 
 __all__ = [
@@ -79,6 +80,10 @@ class PlannerSetup:
     cp_degree: int = 1
     """The cp degree this setup is the per-rank problem of (set by the cp search: batch_scale and
     dp_size already hold it; plan_ngpus is the devices left to tensor parallelism and pipelines)."""
+    ep_size: int | None = 1
+    """Expert-parallel degree per stage: None searches it (autodist/ep_search.py), 1 is off."""
+    ep_degree: int = 1
+    """The ep degree this setup is the per-rank problem of (set by the ep search, as cp_degree)."""
 
 
 MAX_MESHES = 6
@@ -135,19 +140,31 @@ def stage_context(setup: PlannerSetup, ways: int, pipelined: bool = False) -> Co
         free_op=setup.free_op,
         mesh=mesh_for(setup, ways, pipelined),
         mesh_options=mesh_options(setup, ways, pipelined),
+        ep_degree=setup.ep_degree,
     )
 
 
 def transient_bytes(graph: Graph, ctx: CostContext, setup: PlannerSetup) -> float:
     """Bytes per device of transient buffers (communication, the largest op's workspace): a multiple of
-    the largest value of the graph (MemoryModel.transient_mem_coef); once per graph and batch."""
+    the largest value of the graph (MemoryModel.transient_mem_coef), the experts' stacked weights left
+    out (a kernel or a ZeRO-3 gather holds one expert's at a time); once per graph and batch."""
     memo = graph_memo(graph).setdefault("largest_value", {})
     key = (ctx.batch_scale, ctx.traced_batch, ctx.compute_dtype)
     if key not in memo:
+        experts = _expert_weights(graph)  # used one expert at a time
         memo[key] = max(
-            (ctx.value_bytes(graph, v) for v in graph.values if graph.values[v].meta), default=0.0
+            (ctx.value_bytes(graph, v) for v in graph.values if graph.values[v].meta and v not in experts),
+            default=0.0,
         )
     return setup.memory.transient_mem_coef * memo[key] / max(ctx.ways, 1)
+
+
+def _expert_weights(graph: Graph) -> frozenset[str]:
+    """The weights the experts ops read (split over the ep degree under expert parallelism)."""
+    memo = graph_memo(graph)
+    if "expert_weights" not in memo:
+        memo["expert_weights"] = frozenset(w for n in experts_nodes(graph) for w in n.input_names()[3:])
+    return memo["expert_weights"]
 
 
 def fixed_costs(graph: Graph, setup: PlannerSetup, ctx: CostContext, nmicros: int, stages: int = 1) -> float:
@@ -155,8 +172,11 @@ def fixed_costs(graph: Graph, setup: PlannerSetup, ctx: CostContext, nmicros: in
     path ((nmicros + stages - 1) slots of a pipeline), the latency of the gradient buckets, and the
     runtime's check that the ranks of a plan got inputs of one shape (an all-gather of one int64 per
     forward call, or per train_step of a pipeline; runtime/dist/preflight.py)."""
+    experts = _expert_weights(graph)  # 1/ep of them per rank under expert parallelism
     weight_bytes = sum(
-        ctx.value_bytes(graph, name) for name, v in graph.values.items() if v.kind == "param"
+        ctx.value_bytes(graph, name) / (ctx.ep_degree if name in experts else 1)
+        for name, v in graph.values.items()
+        if v.kind == "param"
     ) / max(ctx.ways * stages, 1)
     latency = setup.memory.grad_sync_latency(weight_bytes, ctx, setup.bucket_bytes)
     checks = nmicros if stages == 1 else 1

@@ -8,7 +8,7 @@ Times are seconds for one training step of one micro-batch (forward + backward) 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from nnscaler.graph.ir import (
@@ -131,6 +131,14 @@ class CostContext:
     mesh_options: tuple[tuple[int, ...], ...] = ()
     """Meshes the SPMD search tries, each solved on its own, the cheapest taken (spmd.solve_spmd);
     () or one: `mesh` alone."""
+    ep_degree: int = 1
+    """The expert-parallel degree this stage is the per-rank problem of (autodist/expert_parallel.py):
+    the experts ops' weights are 1/ep_degree per rank, reduced over their own replica group."""
+
+    def experts_context(self) -> CostContext:
+        """The context of the experts ops' weights under ep: dp_size / ep replicas, ep x dp_stride apart."""
+        ep = self.ep_degree
+        return replace(self, dp_size=max(self.dp_size // ep, 1), dp_stride=self.dp_stride * ep, ep_degree=1)
 
     def axis_link(self, axis: int):
         """The link of one mesh axis's group (axis 0's members are the inner axes' size apart)."""
@@ -191,6 +199,9 @@ def node_flops(node: Node, graph: Graph) -> float:
         q, k, v = ins[0].shape, ins[1].shape, ins[2].shape
         qn = ins[0].numel
         return 2.0 * qn * k[-2] + 2.0 * (qn // q[-1]) * k[-2] * v[-1]
+    if node.op == "nnscaler.moe_experts.default" and len(ins) >= 5 and len(ins[4].shape) == 3:
+        # every token's k experts: gate/up [2I, H] and down [H, I] matmuls, 6 T k H I
+        return 6.0 * ins[1].numel * ins[4].shape[1] * ins[4].shape[2]
     if node.op.startswith("aten.conv") and len(ins) > 1 and ins[1].shape:
         w = ins[1].shape
         return 2.0 * out * (ins[1].numel // max(w[0], 1))

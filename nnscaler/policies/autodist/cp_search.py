@@ -26,6 +26,7 @@ from nnscaler.policies.autodist.context_parallel import (
     kind_refusal,
     sequence_length,
 )
+from nnscaler.policies.autodist.ep_search import evaluate_ep_plan, plan_ep_degree
 from nnscaler.policies.autodist.evaluate import evaluate_plan
 from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.context_parallel import attention_nodes, sequence_plans, with_context_parallel
@@ -314,7 +315,10 @@ def evaluate_cp_plan(graph: Graph, setup: PlannerSetup, plan: Plan) -> Candidate
 
 
 def evaluate_any_plan(graph: Graph, setup: PlannerSetup, plan: Plan) -> Candidate:
-    """evaluate_plan, or evaluate_cp_plan for a plan with context parallelism."""
+    """evaluate_plan, or evaluate_cp_plan / evaluate_ep_plan for a plan with context / expert parallelism."""
+    ep = plan_ep_degree(graph, plan)
+    if ep > 1:
+        return evaluate_ep_plan(graph, setup, plan, ep)
     return (
         evaluate_cp_plan(graph, setup, plan) if plan.context_parallel else evaluate_plan(graph, setup, plan)
     )

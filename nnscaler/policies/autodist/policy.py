@@ -14,6 +14,7 @@ from nnscaler.policies.autodist.constraints import PartitionConstraints, load_co
 from nnscaler.policies.autodist.context import PlannerSetup
 from nnscaler.policies.autodist.cost import traced_batch_size
 from nnscaler.policies.autodist.cp_search import plan_with_cp
+from nnscaler.policies.autodist.ep_search import ep_setup, with_ep
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.autodist.plan_files import load_plan, save_plan
 from nnscaler.policies.autodist.search import search
@@ -91,6 +92,7 @@ def planner_setup(
         cp_size=None if opts.cp_size == "auto" else opts.cp_size,
         cp_kind=None if opts.cp_kind == "auto" else opts.cp_kind,
         cp_ulysses_size=opts.cp_ulysses_size,
+        ep_size=None if opts.ep_size == "auto" else opts.ep_size,
     )
 
 
@@ -131,7 +133,14 @@ def _profile_db(path: str | None):
 
 
 def plan_from_candidate(graph: Graph, cand: Candidate, setup: PlannerSetup, scheduler: str = "1f1b") -> Plan:
-    """The Plan of a scored configuration (with context parallelism: cp_search.plan_with_cp)."""
+    """The Plan of a scored configuration (with context parallelism: cp_search.plan_with_cp; with
+    expert parallelism: ep_search.with_ep)."""
+    if cand.ep > 1 or cand.ep_rejected:
+        return with_ep(graph, _plan(graph, cand, ep_setup(setup, cand.ep), scheduler), cand)
+    return _plan(graph, cand, setup, scheduler)
+
+
+def _plan(graph: Graph, cand: Candidate, setup: PlannerSetup, scheduler: str) -> Plan:
     if cand.cp is not None or cand.cp_rejected:
         return plan_with_cp(graph, cand, setup, lambda sub: _tp_plan(graph, cand, sub, scheduler))
     return _tp_plan(graph, cand, setup, scheduler)

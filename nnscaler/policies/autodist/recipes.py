@@ -14,9 +14,11 @@ from nnscaler.graph.ops import annotate_node
 from nnscaler.policies.autodist.candidate import Candidate
 from nnscaler.policies.autodist.constraints import PartitionConstraints
 from nnscaler.policies.autodist.context import PlannerSetup, stage_context, transient_bytes
+from nnscaler.policies.autodist.ep_search import cost_with_ep, ep_setup
 from nnscaler.policies.autodist.evaluate import evaluate_nodes
 from nnscaler.policies.autodist.layers import layer_instances
 from nnscaler.policies.autodist.search import divisors, micro_options
+from nnscaler.policies.expert_parallel import experts_nodes
 from nnscaler.policies.plan import REPLICATE, NodePlan
 from nnscaler.policies.staging import balanced_starts
 from nnscaler.policies.tp import pas_tp
@@ -106,9 +108,58 @@ def standard_recipes(graph: Graph, setup: PlannerSetup, ndevices: int, nmicros: 
                 except PlanError:
                     continue
             if best is not None:
-                name = f"Megatron TP{tp} x PP{pp} x DP{dp}{best[2]}{_mb(setup, best[3])}"
+                moe = " (experts split by tp)" if tp > 1 and experts_nodes(graph) else ""
+                name = f"Megatron TP{tp} x PP{pp} x DP{dp}{moe}{best[2]}{_mb(setup, best[3])}"
+                out.append(_recipe(graph, setup, name, best, dp, tp_nodes))
+    return out + _ep_recipes(graph, setup, ndevices, nmicros, layers)
+
+
+def _ep_recipes(graph: Graph, setup: PlannerSetup, ndevices: int, nmicros: int, layers) -> list[Recipe]:
+    """Expert parallel EP x Megatron TP x DP (no pipeline) for every ep dividing every layer's experts,
+    tp within a node: the tp recipe's splits over tp devices, costed as the per-rank problem of
+    ep x tp devices plus the all-to-alls (autodist/expert_parallel.py)."""
+    nodes = experts_nodes(graph)
+    if not nodes:
+        return []
+    experts = {annotate_node(n, graph).sizes["e"] for n in nodes}
+    out = []
+    for ep in (d for d in divisors(ndevices) if d > 1 and all(e % d == 0 for e in experts)):
+        for tp in (t for t in divisors(ndevices // ep) if t <= setup.cluster.devices_per_node):
+            dp = ndevices // (ep * tp)
+            tp_nodes = pas_tp(graph, ComputeConfig(tp, tp)).nodes if tp > 1 else {}
+            best = None
+            for m in _options(setup, dp * ep, nmicros, 1):
+                real = replace(setup, plan_ngpus=ep * tp, dp_size=dp, batch_scale=_scale(setup, dp, m))
+                sub = ep_setup(real, ep)
+                try:
+                    fit = _fit_ep(graph, real, sub, tp_nodes, m, layers, ep)
+                except PlanError:
+                    continue
+                best = _better(best, fit, m)
+            if best is not None:
+                name = f"EP{ep} x TP{tp} x DP{dp}{best[2]}{_mb(setup, best[3])}"
                 out.append(_recipe(graph, setup, name, best, dp, tp_nodes))
     return out
+
+
+def _fit_ep(graph: Graph, real: PlannerSetup, sub: PlannerSetup, nodes, m: int, layers, ep: int):
+    """_fit of an ep recipe: the per-rank problem's cost plus ep's, recomputed where that makes it fit."""
+    transient = transient_bytes(graph, stage_context(sub, sub.plan_ngpus), sub)
+    fits = []
+    for rc in ((), layers) if layers else ((),):
+        cand = cost_with_ep(graph, sub, evaluate_nodes(graph, sub, nodes, nmicros=m, recompute=rc), ep)
+        cand.zero = real.memory.zero_stage
+        fits.append(
+            (
+                cand,
+                cand.memory + transient <= real.mem_limit,
+                " + recompute" if rc else "",
+                cand.memory + transient,
+            )
+        )
+        if fits[-1][1]:
+            return fits[-1]
+    return fits[0]
 
 
 def _better(best, new, m: int):
@@ -140,7 +191,7 @@ def exclusions(graph: Graph, setup: PlannerSetup, r: Recipe, nodes: dict[str, No
         out.append(
             f"does not fit memory: {r.peak / 1e9:.4g} GB on its fullest device > limit {setup.mem_limit / 1e9:.4g} GB"
         )
-    size = c.pp * c.tp
+    size = c.pp * c.tp * c.ep
     if not setup.global_batch and size != setup.plan_ngpus:  # offline planning searches the plan size
         out.append(
             f"plan_ngpus={setup.plan_ngpus} (the ComputeConfig) fixes the plan size; it plans over {size}"

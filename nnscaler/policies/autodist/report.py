@@ -14,6 +14,7 @@ from nnscaler.policies.autodist.cp_search import evaluate_any_plan
 from nnscaler.policies.autodist.policy import planner_setup
 from nnscaler.policies.autodist.recipes import standard_recipes
 from nnscaler.policies.autodist.report_cp import cp_report_lines
+from nnscaler.policies.autodist.report_ep import ep_report_lines
 from nnscaler.policies.autodist.report_reasons import why_not_taken
 from nnscaler.policies.autodist.report_words import module_group, module_words, short_op
 from nnscaler.policies.plan import Plan
@@ -62,6 +63,7 @@ def plan_report(
         f"the fullest device: {_gb(cand.memory)} GB (limit {_gb(setup.mem_limit)} GB).",
     ]
     lines += cp_report_lines(graph, plan, setup, cand)
+    lines += ep_report_lines(graph, plan, setup, cand)
     if res is not None and res.stats:
         s = res.stats
         lines += [

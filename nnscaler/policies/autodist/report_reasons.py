@@ -16,8 +16,8 @@ def why_not_taken(r: Recipe, setup: PlannerSetup, scored: list[Candidate] | None
     c = r.candidate
     out = list(r.excluded)
     if scored and setup.global_batch:  # offline planning searched plan sizes and ZeRO stages
-        size = c.pp * c.tp
-        if size not in {x.pp * x.tp * x.cp_size for x in scored}:
+        size = c.pp * c.tp * c.ep
+        if size not in {x.pp * x.tp * x.cp_size * x.ep for x in scored}:
             out.append(
                 f"the search kept no plan over {size} device(s) (a fixed --plan-ngpus, or none fitted)"
             )
@@ -33,12 +33,12 @@ def why_not_taken(r: Recipe, setup: PlannerSetup, scored: list[Candidate] | None
         return [
             "not considered by the search: partition constraints turn off its Megatron-layout alternative"
         ]
-    same = [x for x in scored or [] if (x.pp, x.tp, x.cp_size) == (c.pp, c.tp, 1)]
+    same = [x for x in scored or [] if (x.pp, x.tp, x.cp_size, x.ep) == (c.pp, c.tp, 1, c.ep)]
     if same:
         best = min(same, key=lambda x: x.step_time)
         return [
             f"not considered by the search: no constraint or memory limit excludes it; the search's own "
-            f"partition of pp={c.pp} tp={c.tp} was scored {best.step_time * 1e3:.3f} ms per step "
+            f"partition of pp={c.pp}{f' ep={c.ep}' if c.ep > 1 else ''} tp={c.tp} was scored {best.step_time * 1e3:.3f} ms per step "
             "and this recipe's layout is not among its choices"
         ]
     return [

@@ -20,6 +20,7 @@ from nnscaler.policies.autodist.context import (
     transient_bytes,
 )
 from nnscaler.policies.autodist.cp_search import cp_search
+from nnscaler.policies.autodist.ep_search import ep_search
 from nnscaler.policies.autodist.evaluate import evaluate_nodes
 from nnscaler.policies.autodist.layers import layer_instances
 from nnscaler.policies.autodist.memo import graph_memo
@@ -241,8 +242,14 @@ def _nothing_planned(ndevices: int, refused: list[tuple[str, str]]) -> PlanError
 
 
 def search(graph: Graph, setup: PlannerSetup) -> tuple[Candidate, list[Candidate]]:
-    """The best configuration (by time per micro-batch) and every configuration scored, context-parallel
-    degrees and kinds included (cp_search.py: each degree's remaining devices searched as below)."""
+    """The best configuration (by time per micro-batch) and every configuration scored, expert-parallel
+    degrees (ep_search.py) and context-parallel degrees and kinds (cp_search.py) included: each degree's
+    remaining devices searched as below."""
+    return ep_search(graph, setup, _search_cp)
+
+
+def _search_cp(graph: Graph, setup: PlannerSetup) -> tuple[Candidate, list[Candidate]]:
+    """The search of one expert-parallel per-rank problem: cp degrees and kinds (cp_search.py)."""
     return cp_search(graph, setup, _search_devices)
 
 
