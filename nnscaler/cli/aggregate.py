@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nnscaler.runtime import ParallelModule
+
 __all__ = ["AggregatedOutputs", "default_aggregate", "scale_grads"]
 
 
@@ -75,9 +77,18 @@ def default_aggregate(outputs: list[Any], sync_group: dist.ProcessGroup | None) 
 
 
 def scale_grads(model: Any, factor: float) -> None:
-    """Multiply the gradients the optimizer will read by `factor` (not under ZeRO, whose gradients
-    live in the reducer's buckets: the trainer refuses per-token-mean there)."""
+    """Multiply the gradients the optimizer will read by `factor` (after the reduction): under ZeRO
+    this rank's reduced slices in the reducer's buckets, elsewhere each parameter's `.grad` (or its
+    fp32 `.main_grad`)."""
     with torch.no_grad():
-        for p in model.parameters_for_optimizer():
-            if p.grad is not None:
-                p.grad.mul_(factor)
+        sharded: set[int] = set()
+        for m in model.modules():
+            red = m.reducer if isinstance(m, ParallelModule) else None
+            if red is not None and red.zero:
+                for piece in red.pieces:
+                    piece.grad().mul_(factor)
+                sharded.update(id(p) for p in red.params)
+        for p in model.parameters():
+            grad = p.grad if p.grad is not None else getattr(p, "main_grad", None)
+            if p.requires_grad and id(p) not in sharded and grad is not None:
+                grad.mul_(factor)

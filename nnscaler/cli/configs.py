@@ -77,6 +77,8 @@ class OptionalComputeConfig:
     """See ComputeConfig.pas_config."""
     user_config: dict[str, Any] | None = None
     """See ComputeConfig.user_config."""
+    torch_compile: bool | dict[str, Any] | None = None
+    """See ComputeConfig.torch_compile (e.g. compile only this sub-module's generated code)."""
 
     def resolve(self, compute_config: ComputeConfig) -> ComputeConfig:
         """`compute_config` with the non-None values of this one, and use_end2end off (a sub-module is
@@ -163,7 +165,8 @@ class OptimizerConfig:
     clip_gnorm: float = 0.0
     """Clip the total gradient norm to this value (0: no clipping; the norm is logged either way)."""
     loss_reduction: str = "mean"
-    """How the logged loss combines micro-batches and replicas: mean, sum or per-token-mean."""
+    """How the training loss combines micro-batches and replicas: mean, sum or per-token-mean (the
+    validation loss is always the mean over micro-batches, as in nnScaler 0.8)."""
     grad_reduction: str = "mean"
     """How gradients combine micro-batches: mean (of the global batch), sum or per-token-mean."""
     aggregate_outputs_fn: str | None = None

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from nnscaler.cli.loading import load_type
+from nnscaler.cli.state import to_device
+from nnscaler.cli.tracing_weights import load_sub_module_weights
 from nnscaler.errors import ConfigError
 from nnscaler.parallel import parallelize
 from nnscaler.runtime import ParallelModule, runtime_device
@@ -40,15 +42,21 @@ def plan_of(model: nn.Module) -> str:
 def parallelize_sub_modules(args: Any, model: nn.Module, compile_only: bool) -> nn.Module:
     """Replace the sub-modules `args.model.parallel_modules` lists by their ParallelModules."""
     cc = args.compute_config
+    if args.param_dtype is not None:  # the plain parts too (precision), as nnScaler 0.8 casts the model
+        model.to(args.param_dtype)
+    # as nnScaler 0.8: a listed module inside another listed one is parallelized with it, not apart
+    listed = tuple(load_type(e.type) for e in args.model.parallel_modules)
+    inside = {n for n, m in model.named_modules() if n and type(m) in listed}
     for entry in args.model.parallel_modules:
         cls = load_type(entry.type)
         found = [(n, m) for n, m in model.named_modules() if n and type(m) is cls]
-        outermost = [(n, m) for n, m in found if not any(n.startswith(f"{o}.") for o, _ in found if o != n)]
-        if not outermost:
+        if not found:
             raise ConfigError(
                 f"model.parallel_modules: {args.model.type} has no sub-module of type {entry.type}"
             )
-        dummy = load_type(entry.forward_args_gen_fn)(args)
+        outermost = [(n, m) for n, m in found if not any(n.startswith(f"{o}.") for o in inside)]
+        # floating inputs in the run's input dtype, as the training samples will be (bf16 runs)
+        dummy = to_device(load_type(entry.forward_args_gen_fn)(args), torch.device("cpu"), args.input_dtype)
         sub_cc = (
             entry.compute_config.resolve(cc)
             if entry.compute_config
@@ -56,6 +64,7 @@ def parallelize_sub_modules(args: Any, model: nn.Module, compile_only: bool) -> 
         )
         policy = entry.pas_policy or args.pas_policy
         for name, sub in outermost:
+            load_sub_module_weights(args, entry, sub)
             base = entry.instance_name or args.instance_name
             pm = parallelize(
                 sub,

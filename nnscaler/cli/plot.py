@@ -13,7 +13,8 @@ __all__ = ["read_scalars", "plot_loss"]
 
 
 def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar tag in the event files under `log_dir`: tag -> [(step, value), ...] by step."""
+    """Every scalar under `log_dir`: name -> [(step, value), ...] by step. A scalar written in a
+    sub-directory (TensorBoardLogger's per-tag runs) is named `<sub-directory>/<scalar>`."""
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError as err:
@@ -22,9 +23,16 @@ def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
         ) from err
     if not Path(log_dir).is_dir():
         raise ConfigError(f"no event files: {log_dir} is not a directory")
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: sorted((e.step, e.value) for e in acc.Scalars(tag)) for tag in acc.Tags()["scalars"]}
+    root = Path(log_dir)
+    out: dict[str, list[tuple[int, float]]] = {}
+    for run in sorted({f.parent for f in root.rglob("events.out.tfevents.*")}):
+        acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+        acc.Reload()
+        prefix = run.relative_to(root).as_posix()
+        for tag in acc.Tags()["scalars"]:
+            name = tag if prefix == "." else f"{prefix}/{tag}"
+            out.setdefault(name, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return {name: sorted(points) for name, points in out.items()}
 
 
 def plot_loss(

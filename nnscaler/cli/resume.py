@@ -24,6 +24,7 @@ import torch.distributed as dist
 import nnscaler.cli.checkpoint as ck
 from nnscaler.cli.configs import CheckpointConfig
 from nnscaler.cli.console import say
+from nnscaler.cli.loader_state import loader_state, restore_loader
 from nnscaler.cli.loading import load_type
 from nnscaler.cli.mixed import plan_of
 from nnscaler.cli.state import rng_states
@@ -48,10 +49,13 @@ class SavingTrainer(TrainerView, Protocol):
     """What saving and resuming use of the Trainer: its public state and the step it last saved."""
 
     _saved_step: int
+    dataloader_resumed: bool
 
 
 def _common(trainer: SavingTrainer) -> dict[str, Any]:
+    loader = loader_state(trainer)
     return {
+        **({"dataloader": loader} if loader is not None else {}),
         "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
         "train_status": dict(trainer.train_status),
         "rng_states": rng_states(),
@@ -97,6 +101,7 @@ def save(trainer: SavingTrainer, epoch: int) -> Path | None:
                     "model": merged_model,
                     "optimizer": merged_opt,
                     "rng_states": [p[2]["rng_states"] for p in pieces],
+                    **_loader_states([p[2] for p in pieces]),
                 }
             }
     else:
@@ -152,7 +157,15 @@ def read_merged(path: Path, convert_fn: Any = None) -> dict[str, Any]:
         "model": model_sd,
         "optimizer": opt_sd,
         "rng_states": [d["rng_states"] for d in datas],
+        **_loader_states(datas),
     }
+
+
+def _loader_states(datas: list[dict[str, Any]]) -> dict[str, Any]:
+    """`{"dataloader": [each rank's state]}` when the ranks saved their dataloader's state, else {}."""
+    if not any("dataloader" in d for d in datas):
+        return {}
+    return {"dataloader": [d.get("dataloader") for d in datas]}
 
 
 def check_before_start(cfg: CheckpointConfig) -> None:
@@ -216,6 +229,7 @@ def resume(trainer: SavingTrainer) -> None:
     if trainer.lr_scheduler is not None and data.get("lr_scheduler") is not None:
         trainer.lr_scheduler.load_state_dict(data["lr_scheduler"])
     trainer.train_status.update(data["train_status"])
+    trainer.dataloader_resumed = restore_loader(trainer, data.get("dataloader"), merged=not same_plan)
     trainer.pending_rng = rng
     trainer._saved_step = trainer.train_status["step"]
     trainer.hook.after_load_checkpoint(trainer, data)

@@ -33,6 +33,7 @@ from nnscaler.cli.mixed import infer_micro_batches, model_device, parallelize_su
 from nnscaler.cli.peers import Heartbeat
 from nnscaler.cli.progress import Progress
 from nnscaler.cli.state import SkippingSampler, rng_states, set_rng_states, to_device
+from nnscaler.cli.tracing_weights import load_model_weights
 from nnscaler.cli.trainer_args import TrainerArgs
 from nnscaler.errors import ConfigError, NnScalerError
 from nnscaler.parallel import parallelize
@@ -82,6 +83,13 @@ class Trainer:
         """The aggregated loss of each optimizer step of this run (every rank)."""
         self.forward_args: ForwardConvention | None = None
         """How a sample becomes the forward's arguments (nnscaler.cli.forward_args); set at setup."""
+        self.total_train_steps_per_epoch: int | None = None
+        """Optimizer steps in an epoch (a short last global batch counts as one); set at setup."""
+        self.max_train_steps: int | None = None
+        """Optimizer steps the run ends at: max_train_steps, max_epochs' steps, or the smaller."""
+        self.dataloader_resumed = False
+        """The training dataloader's own state was restored from the checkpoint (a dataloader with
+        `state_dict` / `load_state_dict`), instead of skipping the samples already seen."""
 
     # ---- setup ----------------------------------------------------------------------------------
 
@@ -117,15 +125,11 @@ class Trainer:
                 f"compute_config.runtime_ngpus is {cc.runtime_ngpus} but {self.world_size} processes run: start "
                 f"{cc.runtime_ngpus} (torchrun --nproc_per_node {cc.runtime_ngpus}) or set runtime_ngpus"
             )
-        if args.optimizer.grad_reduction == "per-token-mean" and cc.use_zero:
-            raise ConfigError(
-                "optimizer.grad_reduction 'per-token-mean' is not supported with compute_config.use_zero yet "
-                "(the gradients live in the ZeRO buckets); use 'mean' or 'sum'"
-            )
         _resume.check_before_start(args.checkpoint)  # fail before compiling, and overwrite nothing
         args.init_env(self)
         self.train_dataset = args.create_dataset("train")
         model = args.create_model()
+        load_model_weights(args, model)  # tracing_from_weights
         self.hf_config = hf.find_config(model, args.model.hf_prefix)  # for checkpoint.export_hf
         full_numel = sum(p.numel() for p in model.parameters())
         try:
@@ -152,15 +156,7 @@ class Trainer:
         create_groups(cc.dims.dp_groups())
         self.sync_group = get_group(cc.dims.dp_group(self.rank))
         """The ranks at this rank's place in every replica (nnScaler's sync group)."""
-        self.loaders = {}
-        for stage in ("train", "val"):
-            ds = self.train_dataset if stage == "train" else args.create_dataset(stage)
-            if ds is None:
-                continue
-            sampler = args.create_sampler(ds, stage, self.num_replicas, self.replica)
-            sampler = SkippingSampler(sampler) if sampler is not None else None
-            check_short_micro_batch(args, ds, stage, self.num_replicas, self.model, self.forward_args, self.rank)
-            self.loaders[stage] = (args.create_dataloader(stage, ds, sampler), sampler)
+        self._make_loaders()
         self.optimizer = args.create_parallel_optimizer(self.model)
         self.lr_scheduler = args.create_lr_scheduler(self.optimizer)
         self.hook = args.create_hook()
@@ -173,6 +169,27 @@ class Trainer:
             say(self.rank, f"loaded pretrained weights from {args.model.pretrained_path}")
         _resume.resume(self)
         self.hook.after_setup(self)
+
+    def _make_loaders(self) -> None:
+        """The train / val data loaders (each replica reads its share) and the step counts."""
+        args = self.train_args
+        self.loaders = {}
+        for stage in ("train", "val"):
+            ds = self.train_dataset if stage == "train" else args.create_dataset(stage)
+            if ds is None:
+                continue
+            sampler = args.create_sampler(ds, stage, self.num_replicas, self.replica)
+            sampler = SkippingSampler(sampler) if sampler is not None else None
+            check_short_micro_batch(
+                args, ds, stage, self.num_replicas, self.model, self.forward_args, self.rank
+            )
+            self.loaders[stage] = (args.create_dataloader(stage, ds, sampler), sampler)
+        self.total_train_steps_per_epoch = math.ceil(len(self.loaders["train"][0]) / args.update_freq)
+        max_epochs = args.max_epochs or sys.maxsize
+        total = args.max_train_steps or self.total_train_steps_per_epoch * max_epochs
+        if args.max_epochs and args.max_train_steps:
+            total = min(total, self.total_train_steps_per_epoch * args.max_epochs)
+        self.max_train_steps = total
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         """The whole model as one ParallelModule (or its listed sub-modules parallelized); the generated
@@ -283,10 +300,7 @@ class Trainer:
     def _train(self) -> None:
         args, status = self.train_args, self.train_status
         max_epochs = args.max_epochs or sys.maxsize
-        steps_per_epoch = math.ceil(len(self.loaders["train"][0]) / args.update_freq)
-        total = args.max_train_steps or steps_per_epoch * max_epochs
-        if args.max_epochs and args.max_train_steps:
-            total = min(total, steps_per_epoch * args.max_epochs)
+        total = self.max_train_steps
         self.progress = Progress(args, total, self.rank == 0, initial=status["step"])
         self.hook.on_train_start(self)
         done = status["step"] >= total
@@ -295,7 +309,8 @@ class Trainer:
             loader, sampler = self.loaders["train"]
             if sampler is not None:
                 sampler.set_epoch(epoch)
-                sampler.skip = status["next_sample"] // self.num_replicas
+                # a dataloader restored from the checkpoint knows its position: nothing to skip
+                sampler.skip = 0 if self.dataloader_resumed else status["next_sample"] // self.num_replicas
             self.hook.on_epoch_start(self, epoch)
             idx = status["next_sample"] // args.global_batch_size
             for chunk in self._micro_chunks("train"):
@@ -306,7 +321,7 @@ class Trainer:
                     self._validate()
                 ckpt = args.checkpoint
                 if ckpt.every_n_train_steps and status["step"] % ckpt.every_n_train_steps == 0:
-                    _resume.save(self, epoch)
+                    self._save(epoch)
                 if done and self._replica_batches() < self._batches_per_epoch():
                     break
             else:
@@ -318,15 +333,22 @@ class Trainer:
                     self._validate()
                 every = args.checkpoint.every_n_epochs
                 if every and (epoch + 1) % every == 0:
-                    _resume.save(self, epoch)
+                    self._save(epoch)
                 done = done or status["next_epoch"] >= max_epochs
             if done and self._saved_step != status["step"]:
-                _resume.save(self, epoch)  # the final state
+                self._save(epoch)  # the final state
         self.progress.close()
         if args.checkpoint.export_hf:
             hf.save_pretrained(self.model, args.checkpoint.export_hf, args.model.hf_prefix, self.hf_config)
             say(self.rank, f"exported a Hugging Face checkpoint to {args.checkpoint.export_hf}")
         self.hook.on_train_end(self)
+
+    def _save(self, epoch: int) -> None:
+        """Validate at this step (once), then save: as in nnScaler 0.8, `best` follows the validation
+        loss of the saved steps (the training loss when there is no validation set)."""
+        if not self.train_args.checkpoint.no_save:
+            self._validate()
+        _resume.save(self, epoch)
 
     def _train_step(self, epoch: int, idx: int, chunk: list[Any]) -> None:
         args, status, hook, opt = self.train_args, self.train_status, self.hook, self.optimizer
@@ -354,6 +376,8 @@ class Trainer:
         loss = self._reduced_loss(agg)
         hook.after_aggregate_train_step_outputs(self, agg, loss)
         hook.before_sync_grad(self)
+        if hasattr(opt, "sync_shard_grad"):  # before_gnorm_clip sees the optimizer's params' gradients
+            opt.sync_shard_grad()
         if reduction == "per-token-mean":  # train_step averaged over replicas; now a mean per token
             if not agg.num_tokens:
                 raise ConfigError("optimizer.aggregate_outputs_fn must set num_tokens for per-token-mean")
@@ -413,14 +437,15 @@ class Trainer:
                 losses = infer_micro_batches(self.model, samples)
             self.hook.on_val_step_end(self, losses)
             agg = self._aggregate(losses)
+            # as nnScaler 0.8: each validation step's mean loss, whatever optimizer.loss_reduction says
+            self.hook.after_aggregate_val_step_outputs(self, agg, agg.loss_sum / max(agg.num_batches, 1))
             total.loss_sum += agg.loss_sum
             total.num_batches += agg.num_batches
             if agg.num_tokens is not None:
                 total.num_tokens = (total.num_tokens or 0) + agg.num_tokens
         set_rng_states(saved)  # validation does not change the training's random stream
         self.model.train()
-        val_loss = self._reduced_loss(total)
-        self.hook.after_aggregate_val_step_outputs(self, total, val_loss)
+        val_loss = total.loss_sum / max(total.num_batches, 1)  # the mean over micro-batches
         metrics = {"val/loss": val_loss}
         self.hook.before_log_val_metrics(self, metrics)
         self.log_metrics(metrics, self.train_status["step"])

@@ -156,7 +156,9 @@ def build_optimizer(
     values; a rank holding none (a frozen pipeline stage) gets an optimizer over one empty param group.
     The optimizer's `state_dict()` names each parameter (param group key `param_names`, merged
     state-dict names) so `merge_state_dicts` can rebuild the full state.
-    `optimizer.clip_gnorm(max_norm=None)` clips over the whole module.
+    `optimizer.clip_gnorm(max_norm=None)` clips over the whole module; `optimizer.sync_shard_grad()`
+    (nnScaler's name) finishes the parallel modules' gradient reductions now and, under ZeRO, points
+    the optimizer's slices' `.grad` at their reduced gradients (the step would do both).
 
     When a ParallelModule runs with ZeRO (`ComputeConfig.use_zero`), the result is a
     `nnscaler.runtime.grads.zero.ZeroOptimizer`: `optimizer_fn` then gets this rank's slices of the
@@ -182,6 +184,7 @@ def build_optimizer(
     sync, clip, outer = _step_hooks(module, built)
     if any(pm.reducer is not None and pm.reducer.zero for _, pm in parallel_modules(module)):
         zero = ZeroOptimizer(module, params, optimizer_fn, sync, clip, lambda: param_names(module), **kwargs)
+        zero.sync_shard_grad = _zero_sync_shard_grad(module, zero)  # type: ignore[attr-defined]
         _check_fp32_grads(module, zero)
         built.append(zero)
         _reducer_hooks(zero, module, outer)
@@ -207,6 +210,21 @@ def attach_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> tor
     return _attach(module, optimizer, built, sync, clip, outer)
 
 
+def _sync_parallel_grads(module: nn.Module) -> None:
+    """Finish the gradient reduction of every ParallelModule in `module` not yet synced."""
+    for _, pm in parallel_modules(module):
+        if not pm._grads_synced:
+            pm.sync_grad()
+
+
+def _zero_sync_shard_grad(module: nn.Module, zero: ZeroOptimizer) -> Callable[[], None]:
+    def sync_shard_grad() -> None:
+        _sync_parallel_grads(module)
+        zero._attach_grads()  # the slices' .grad: views of the reduced buckets (clipping reaches them)
+
+    return sync_shard_grad
+
+
 def _step_hooks(module: nn.Module, built: list[torch.optim.Optimizer]):
     """(sync, clip, outer reducer or None) for the optimizer that will be appended to `built`."""
     outer = outer_parameters(module)
@@ -215,9 +233,7 @@ def _step_hooks(module: nn.Module, built: list[torch.optim.Optimizer]):
     synced = {"outer": False}
 
     def sync() -> None:
-        for _, pm in parallel_modules(module):
-            if not pm._grads_synced:
-                pm.sync_grad()
+        _sync_parallel_grads(module)
         if not synced["outer"]:
             reduce_outer()
         synced["outer"] = False
@@ -252,5 +268,6 @@ def _attach(module, optimizer, built, sync, clip, outer) -> torch.optim.Optimize
     optimizer.register_step_pre_hook(lambda opt, args, kw: sync())
     optimizer.register_state_dict_post_hook(add_names)
     optimizer.clip_gnorm = clip  # type: ignore[attr-defined]
+    optimizer.sync_shard_grad = lambda: _sync_parallel_grads(module)  # type: ignore[attr-defined]
     _reducer_hooks(optimizer, module, outer)
     return optimizer

@@ -30,6 +30,12 @@ class WandbLogger(LoggerBase):
         self.run.log({f"{tag}/{k}" if tag else k: v for k, v in metrics.items()}, step=step)
 
     def finalize(self) -> None:
+        """Finish the run; its files are complete on return (wandb's service writes them after
+        `finish` returns: it is torn down here unless another run of this process is still active)."""
         if self.run is not None:
+            import wandb
+
             self.run.finish()
             self.run = None
+            if getattr(wandb, "run", None) is None and hasattr(wandb, "teardown"):
+                wandb.teardown()

@@ -14,8 +14,31 @@ import re
 import sys
 from pathlib import Path
 
+_CUDA_ONLY = """
+
+def _is_cuda_dev(dev):  # harness: only CUDA devices are redirected (meta / fake tensors stay as they are)
+    return str(dev).startswith("cuda")
+
+
+@contextmanager
+def replace_all_device_with("""
+
 
 def adapt_utils(text: str) -> str:
+    """`replace_all_device_with` redirects only CUDA devices: forcing every constructor and `.to` onto
+    the CPU would also move the meta / fake tensors this package traces with."""
+    text = text.replace("\n\n@contextmanager\ndef replace_all_device_with(", _CUDA_ONLY, 1)
+    text = text.replace(
+        '            kwargs["device"] =device\n',
+        '            if _is_cuda_dev(kwargs.get("device")):\n                kwargs["device"] = device\n',
+    )
+    text = text.replace(
+        "if len(args) > 0 and isinstance(args[0], (torch.device, str)):",
+        "if len(args) > 0 and isinstance(args[0], (torch.device, str)) and _is_cuda_dev(args[0]):",
+    )
+    text = text.replace(
+        "        if 'device' in kwargs:\n", "        if _is_cuda_dev(kwargs.get('device')):\n"
+    )
     text = text.replace(
         "from nnscaler.runtime.device import DeviceGroup, CompileFlag",
         "try:\n    from nnscaler.runtime.device import DeviceGroup, CompileFlag\n"
