@@ -3,7 +3,9 @@ layer's experts, each degree's remaining devices planned as the per-rank problem
 on the ep ranks' link, the experts' memory and gradient sync divided by ep. Mixtral-8x7B's widths
 (two layers, meta device) on 16 H100s over two nodes take ep > 1 (tp = 16 would cross nodes); a
 tiny Mixtral on a slow link keeps ep = 1; pins are honoured and refused as policy tp refuses them;
-the report names the degree; a pinned ep_size 2 trains like one device on 4 gloo ranks."""
+the report names the degree; a pinned ep_size 2 trains like one device on 4 gloo ranks. The experts
+op's compute is a roofline per grouped GEMM with a small-GEMM efficiency (autodist/expert_gemm.py):
+its terms, and DeepSeek-V3's widths on 16 H100s over two nodes taking wide ep."""
 
 from __future__ import annotations
 
@@ -14,10 +16,20 @@ from nnscaler import ComputeConfig
 from nnscaler.errors import PlanError
 from nnscaler.graph.capture import capture
 from nnscaler.policies.autodist import load_cluster, planner_setup, search
-from nnscaler.policies.autodist.choices import node_choices
+from nnscaler.policies.autodist.choices import node_choices, tensor_refs
 from nnscaler.policies.autodist.context import stage_context
 from nnscaler.policies.autodist.cp_search import evaluate_any_plan
+from nnscaler.policies.autodist.devices import get_device
 from nnscaler.policies.autodist.ep_search import ep_setup
+from nnscaler.policies.autodist.expert_gemm import (
+    K_FILL,
+    TILE_M,
+    TILE_N,
+    ExpertShapes,
+    experts_time,
+    gemm_time,
+    shape_efficiency,
+)
 from nnscaler.policies.autodist.expert_parallel import A2A_PER_MICRO, MoeLayer, ep_cost
 from nnscaler.policies.autodist.policy import plan_from_candidate
 from nnscaler.policies.autodist.recipes import standard_recipes
@@ -199,6 +211,115 @@ def test_the_per_rank_problem_keeps_1_over_ep_of_the_experts(tiny_graph):
     state = lambda c: c.memory - c.activation_bytes  # noqa: E731
     assert state(after) == pytest.approx(state(before) / 4)  # ZeRO 0: no sharding either way
     assert 0 < after.sync < before.sync
+
+
+# ---- the experts op's compute: a roofline per grouped GEMM, small-GEMM efficiency ---------------------
+
+
+def test_shape_efficiency_tiles_waves_and_pipeline_fill():
+    big = shape_efficiency(TILE_M * 4, TILE_N * 4, 8192, 33, 132)  # 528 tiles: exactly 4 waves
+    assert big == pytest.approx(8192 / (8192 + K_FILL))
+    assert shape_efficiency(64, TILE_N * 4, 8192, 33, 132) == pytest.approx(big / 2)  # half a row tile
+    assert shape_efficiency(TILE_M, TILE_N, 8192, 133, 132) == pytest.approx(
+        133 / 264 * 8192 / (8192 + K_FILL)
+    )  # one tile into a second wave
+    assert shape_efficiency(TILE_M * 4, TILE_N * 4, 256, 33, 132) == pytest.approx(256 / (256 + K_FILL))
+
+
+def test_gemm_time_is_the_roofline_of_flops_and_bytes():
+    dev = get_device("h100")
+    launch = dev.kernel_overhead_us * 1e-6
+    m, n, k, g = 4096, 4096, 4096, 33  # compute-bound
+    eff = dev.matmul_efficiency * shape_efficiency(m, n, k, g, dev.compute_units)
+    want = 2 * m * n * k * g / (dev.bf16_tflops * 1e12 * eff) + launch
+    assert gemm_time(m, n, k, g, dev, "bfloat16", 2) == pytest.approx(want)
+    m = 16  # 16 rows per expert: reading the weights dominates
+    moved = (m * k + k * n + m * n) * g * 2
+    want = moved / (dev.mem_bw_gbs * 1e9 * dev.mem_efficiency) + launch
+    assert gemm_time(m, n, k, g, dev, "bfloat16", 2) == pytest.approx(want)
+
+
+def test_fine_grained_experts_split_by_tp_cost_more_than_whole_experts():
+    """DeepSeek-V3's experts (H 7168, I 2048, 256 experts, top-8) at 4,096 tokens per tp group: split by
+    tp 8 on I (every token on every rank) vs 32 whole experts per rank under ep 8, the same FLOPs."""
+    dev = get_device("h100")
+    tp8 = ExpertShapes(rows=4096 * 8, experts=256, hidden=7168, inter=2048 // 8)
+    ep8 = ExpertShapes(rows=4096 // 8 * 8, experts=256 // 8, hidden=7168, inter=2048)
+    assert tp8.rows * tp8.inter == ep8.rows * ep8.inter and tp8.m == ep8.m == 128
+    t_tp8, t_ep8 = (experts_time(s, dev, "bfloat16", 2, True) for s in (tp8, ep8))
+    assert t_tp8 > 1.5 * t_ep8
+    ideal = 18 * ep8.rows * 7168 * 2048 / (dev.bf16_tflops * 1e12 * dev.matmul_efficiency)
+    assert t_ep8 > 2 * ideal  # 128 rows per expert: memory-bound on the expert weights
+    fwd = experts_time(ep8, dev, "bfloat16", 2, False)
+    assert fwd < t_ep8 / 2  # forward only
+    assert experts_time(ep8, dev, "bfloat16", 2, True, refwd=True) == pytest.approx(t_ep8 + fwd)
+
+
+def test_node_choices_cost_the_experts_op_with_the_gemm_model(tiny_graph):
+    setup = planner_setup(tiny_graph, ComputeConfig(4, 4, pas_config={"cluster": "h100x8"}))
+    node = experts_nodes(tiny_graph)[0]
+    ctx = stage_context(ep_setup(setup, 1), 1)
+    choice = node_choices(tiny_graph, node, ctx, setup.memory, set(), only=REPLICATE).choices[0]
+    hidden, idx, _, _, down = (tiny_graph.values[r].meta for r in tensor_refs(tiny_graph, node))
+    shapes = ExpertShapes(hidden.shape[0] * idx.shape[1], down.shape[0], down.shape[1], down.shape[2])
+    dtype = ctx.compute_dtype or hidden.dtype
+    dev, nbytes = ctx.cluster.device, ctx.elem_bytes(hidden.dtype)
+    want = experts_time(shapes, dev, dtype, nbytes, True, refwd=True)  # ep 1: the op reruns its forward
+    assert choice.compute == pytest.approx(want)
+    split = stage_context(ep_setup(setup, 2), 1)  # ep 2: 1/2 of the experts, plain autograd
+    choice = node_choices(tiny_graph, node, split, setup.memory, set(), only=REPLICATE).choices[0]
+    rows = shapes.rows * split.value_scale(tiny_graph, tensor_refs(tiny_graph, node)[0])
+    want = experts_time(
+        ExpertShapes(rows, shapes.experts // 2, shapes.hidden, shapes.inter), dev, dtype, nbytes, True
+    )
+    assert choice.compute == pytest.approx(want)
+
+
+def _deepseek_v3_graph(layers: int = 2, batch: int = 64):
+    """DeepSeek-V3's widths (hidden 7168, MLA, 256 routed experts top-8 + 1 shared, moe_intermediate
+    2048, group-limited routing), `layers` layers (the first dense), batch x 1,024 tokens, on meta."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=layers,
+        first_k_dense_replace=1,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        max_position_embeddings=1024,
+        rope_scaling=None,
+        use_cache=False,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
+    zoo._settle(config)
+    with torch.device("meta"):
+        model = zoo._settle_model(DeepseekV3ForCausalLM(config))
+    ids = torch.zeros(batch, 1024, dtype=torch.long, device="meta")
+    return capture(model, {"input_ids": ids, "labels": ids}, both_modes=False)
+
+
+def test_deepseek_v3_widths_take_wide_ep_on_two_h100_nodes():
+    graph = _deepseek_v3_graph()
+    best, scored, setup = _search(graph, 16, "h100x64_ib")
+    assert best.ep >= 4 and best.ep * best.tp * best.pp == 16, best.label()
+    assert best.memory <= setup.mem_limit
+    tp_only = min((x for x in scored if x.ep == 1), key=lambda x: x.step_time)
+    assert tp_only.step_time > 1.3 * best.step_time
+    assert "experts are split by tp=" in dict(best.ep_rejected)["ep=1"]
 
 
 # ---- parity ------------------------------------------------------------------------------------------

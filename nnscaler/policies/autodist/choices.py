@@ -19,6 +19,7 @@ from nnscaler.graph.ops.moe import MOE_EXPERTS_OP
 from nnscaler.policies.autodist.comm import all_reduce
 from nnscaler.policies.autodist.constraints import PartitionConstraints, unsatisfiable_error
 from nnscaler.policies.autodist.cost import CostContext, compute_time, is_free_op, local_bytes, node_flops
+from nnscaler.policies.autodist.expert_gemm import ExpertShapes, experts_time
 from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.blocks import blocks_hint
@@ -215,6 +216,7 @@ def node_choices(
             local_bytes(b, lay_, ways, mesh) for b, lay_ in zip(out_bytes, outs)
         )
         compute = 0.0 if free else compute_time(flops / ways, moved, ctx, dtype, matmul)
+        compute = _experts_compute(graph, node, refs, ins, ways, ctx, shard, dtype, compute)
         if ctx.measured and free and ctx.training:  # no kernel, but dispatch and autograd bookkeeping
             compute = ctx.free_op
         if ctx.measured and not free and ctx.training and scale == 1.0:
@@ -234,8 +236,7 @@ def node_choices(
             comm=_internal_comm(bound, rule, plan, in_bytes, out_bytes, ctx),
             bias_slot=rule.bias_input if _bias_axes(bound, rule, plan, ctx) else None,
         )
-        # a view (or a cast to the dtype it has) shares its input's storage, already counted where it
-        # was made: counted again, views made Llama-3-8B's predicted activations 1.3x what they are
+        # a view (or a no-op cast) shares its input's storage, counted where made (twice: Llama-3-8B x1.3)
         keeps = saved and ctx.training and not free
         act = sum(local_bytes(b, o, ways, mesh) for b, o in zip(out_bytes, outs)) if keeps else 0.0
         mem = memory.param_state_bytes(param_local, pctx) + act * memory.activation_factor
@@ -247,6 +248,26 @@ def node_choices(
         compute = compute_time(flops, sum(in_bytes) + sum(out_bytes), ctx, dtype, matmul)
         out.choices.append(_replicated(node, metas_in, compute))
     return out
+
+
+def _experts_compute(
+    graph: Graph, node: Node, refs, ins, ways: int, ctx: CostContext, shard: int, dtype: str, default: float
+) -> float:
+    """An experts op's compute on one rank (autodist/expert_gemm.py: grouped GEMMs, a roofline each with
+    a small-GEMM efficiency; `default` for any other op) from its local shapes: hidden
+    [t, h], top_k_index [t, k], gate_up [e, 2i, h], down [e, h, i]; the experts 1/`shard` (ep) per
+    rank, receiving as many rows as the rank's own tokens send; without ep the op's backward reruns its
+    forward. `default` where the shapes are not concrete ints (symbolic)."""
+    if node.op != MOE_EXPERTS_OP:
+        return default
+    shapes = _local_shapes(graph, refs, ins, ways, ctx.mesh)
+    if len(shapes) < 5 or not all(isinstance(d, int) for s in shapes for d in s):
+        return default
+    (t, h), (_, k), down = shapes[0], shapes[1], shapes[4]
+    rows = t * k * ctx.value_scale(graph, refs[0])
+    s = ExpertShapes(rows, max(down[0] // shard, 1), h, down[2])
+    dt = ctx.compute_dtype or dtype
+    return experts_time(s, ctx.cluster.device, dt, ctx.elem_bytes(dtype), ctx.training, refwd=shard == 1)
 
 
 def _replicated(node: Node, metas_in, compute: float) -> Choice:

@@ -33,6 +33,9 @@ class DeviceSpec:
     """Fraction of the memory bandwidth that elementwise kernels sustain."""
     kernel_overhead_us: float = 5.0
     """Fixed cost per op launch, microseconds."""
+    compute_units: float = 132.0
+    """Streaming multiprocessors (CUs) a GEMM's output tiles are spread over, one wave at a time (wave
+    quantisation of small GEMMs, autodist/expert_gemm.py); default: an H100 SXM's 132."""
 
     def tflops(self, dtype: str) -> float:
         """Peak TFLOP/s for a tensor dtype name ('float32', 'bfloat16', 'torch.float16', ...)."""
@@ -43,8 +46,17 @@ class DeviceSpec:
 DEVICES: dict[str, DeviceSpec] = {
     "h100": DeviceSpec("h100", bf16_tflops=989.0, fp32_tflops=67.0, mem_bw_gbs=3350.0, memory_gb=80.0),
     "h200": DeviceSpec("h200", bf16_tflops=989.0, fp32_tflops=67.0, mem_bw_gbs=4800.0, memory_gb=141.0),
-    "a100": DeviceSpec("a100", bf16_tflops=312.0, fp32_tflops=19.5, mem_bw_gbs=2039.0, memory_gb=80.0),
-    "mi300x": DeviceSpec("mi300x", bf16_tflops=1307.0, fp32_tflops=163.4, mem_bw_gbs=5300.0, memory_gb=192.0),
+    "a100": DeviceSpec(
+        "a100", bf16_tflops=312.0, fp32_tflops=19.5, mem_bw_gbs=2039.0, memory_gb=80.0, compute_units=108.0
+    ),
+    "mi300x": DeviceSpec(
+        "mi300x",
+        bf16_tflops=1307.0,
+        fp32_tflops=163.4,
+        mem_bw_gbs=5300.0,
+        memory_gb=192.0,
+        compute_units=304.0,
+    ),
     # One share of a small x86 host (2 cores, AVX2): measured order of magnitude, not a datasheet.
     "cpu": DeviceSpec(
         "cpu",
@@ -54,6 +66,7 @@ DEVICES: dict[str, DeviceSpec] = {
         memory_gb=8.0,
         matmul_efficiency=0.5,
         kernel_overhead_us=20.0,
+        compute_units=2.0,
     ),
 }
 """Known device kinds by name."""

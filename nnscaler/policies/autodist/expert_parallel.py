@@ -7,7 +7,8 @@ the all-to-alls run on `cluster.link(ep, tp)`, NVLink while the ep group fits in
 inter-node link otherwise. The per-rank problem is plan_ngpus / ep devices with 1/ep of the tokens
 and ep x dp replicas (ep_search.ep_setup); it holds every token-wise cost: the router, attention,
 and the experts' compute, which is each rank's own tokens' share (T/ep tokens x top_k experts,
-whichever rank computes them). Its cost context carries `ep_degree`, so that for the experts ops
+whichever rank computes them; costed as grouped GEMMs on E / ep experts, autodist/expert_gemm.py).
+Its cost context carries `ep_degree`, so that for the experts ops
 (choices.py, CostContext.experts_context):
 
 - memory: each rank keeps E / ep experts: weights, gradients and optimizer state 1/ep of the tp
