@@ -115,7 +115,9 @@ def _run(world: int, tmp: str, args: argparse.Namespace) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--cp", type=int, default=4)
     parser.add_argument("--kind", default="zigzag", choices=["zigzag", "ring", "ulysses", "hybrid"])

@@ -186,6 +186,7 @@ def test_optional_compute_config_overrides_torch_compile():
 
 def test_tensorboard_writes_one_run_per_tag_and_wandb_files_are_complete(tmp_path):
     import wandb  # both are test dependencies (pyproject's `test` extra)
+
     logs = {
         "log.0.type": "TensorBoardLogger",
         "log.0.args.root_dir": tmp_path / "tb",

@@ -26,11 +26,11 @@ from nnscaler.policies.autodist.context_parallel import (
     kind_refusal,
     sequence_length,
 )
-from nnscaler.policies.autodist.ep_search import evaluate_ep_plan, plan_ep_degree
+from nnscaler.policies.autodist.ep_search import ep_tp_part, evaluate_ep_plan, plan_ep_degree
 from nnscaler.policies.autodist.evaluate import evaluate_plan
 from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.context_parallel import attention_nodes, sequence_plans, with_context_parallel
-from nnscaler.policies.plan import CP_KINDS, REPLICATE, ContextParallel, NodePlan, Plan
+from nnscaler.policies.plan import CP_KINDS, ContextParallel, Plan
 
 __all__ = [
     "reduced_setup",
@@ -283,24 +283,9 @@ def plan_with_cp(
 
 
 def tp_part(plan: Plan) -> Plan:
-    """A cp plan's tensor-parallel part over the devices left to it (mesh axis 0, the sequence, dropped)."""
-    cp = plan.context_parallel
-    if not plan.mesh:  # the sequence over all of a stage's devices: nothing else is split
-        return Plan(plan.policy, plan.plan_ngpus // cp.size, {}, plan.notes, plan.recompute, plan.pipeline)
-    rest = plan.mesh[1:]
-    nodes = {}
-    for name, p in plan.nodes.items():
-        splits = p.mesh_splits[1:] if p.mesh_splits else ()
-        if not any(ident for ident, _ in splits):
-            nodes[name] = REPLICATE
-        elif len(rest) == 1:
-            nodes[name] = NodePlan(splits[0][0], rest[0], splits[0][1])
-        else:
-            nodes[name] = NodePlan(mesh_splits=splits)
-    mesh = rest if len(rest) > 1 else ()
-    return Plan(
-        plan.policy, plan.plan_ngpus // cp.size, nodes, plan.notes, plan.recompute, plan.pipeline, mesh
-    )
+    """A cp plan's tensor-parallel part over the devices left to it (mesh axis 0, the sequence, dropped:
+    the same cut as an ep plan's)."""
+    return ep_tp_part(plan, plan.context_parallel.size)
 
 
 def evaluate_cp_plan(graph: Graph, setup: PlannerSetup, plan: Plan) -> Candidate:

@@ -212,7 +212,7 @@ def plan_ep_degree(graph: Graph, plan: Plan) -> int:
 
 
 def ep_tp_part(plan: Plan, ep: int) -> Plan:
-    """An ep plan's tensor-parallel part over the devices left to it (mesh axis 0 dropped)."""
+    """An ep (or cp) plan's tensor-parallel part over the devices left to it (mesh axis 0, `ep` ways, dropped)."""
     if not plan.mesh:
         return Plan(plan.policy, plan.plan_ngpus // ep, {}, plan.notes, plan.recompute, plan.pipeline)
     rest = plan.mesh[1:]
