@@ -74,6 +74,8 @@ PARALLEL_MODULE_MEMBERS = [
     "rank",
     "use_scheduler",
     "nmicros_per_scheduler_step",
+    "non_presistent_buffers_inited",  # nnScaler's spelling (non_persistent_buffers_inited works too)
+    "mark_non_persistent_buffers_inited",
 ]
 COMPUTE_CONFIG_FIELDS = [  # nnScaler's, in its order (tests construct ComputeConfig(2, 4))
     "plan_ngpus",

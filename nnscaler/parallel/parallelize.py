@@ -251,8 +251,8 @@ def parallelize(
     policy = resolve_pas_policy(pas_policy, compute_config.pas_config)  # every rank, before any tracing
     bind_cuda_device()  # object collectives below run on the current CUDA device under NCCL
     is_class = isinstance(module_or_module_class, type)
-    if load_module and init_module_params and not is_class:
-        refuse_meta_weights(module_or_module_class, init_params_sync)  # before compiling: fail fast
+    if load_module and not is_class:  # fail fast; 'none' where ranks' init_module_params differ
+        init_params_sync = refuse_meta_weights(module_or_module_class, init_params_sync, init_module_params)
     module_class = module_or_module_class if is_class else type(module_or_module_class)
     outdir = module_outdir(gen_savedir, module_class, instance_name)
     error, record = None, None
@@ -303,6 +303,7 @@ def _generated_instance(
     pm.train(module.training)  # the generated code follows train()/eval() from here
     if init_module_params:  # every rank cuts its shards from rank 0's weights ('broadcast') or checks
         load_initial_weights(pm, module, init_params_sync, dtype=module_dtype)
+    pm._warn_uninit_buffers()  # non-persistent buffers no load filled: name them and the fix
     return pm
 
 

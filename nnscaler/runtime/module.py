@@ -35,6 +35,7 @@ from nnscaler.runtime.dist.groups import create_groups, create_host_groups, get_
 from nnscaler.runtime.grads.reducer import Reducer
 from nnscaler.runtime.grads.zero3 import Zero3Reducer
 from nnscaler.runtime.module_parts import shapes
+from nnscaler.runtime.module_parts.buffers_init import BuffersInitMixin
 from nnscaler.runtime.module_parts.compat import ModuleCompatMixin
 from nnscaler.runtime.module_parts.compiled import compile_generated
 from nnscaler.runtime.module_parts.constants import load_constants
@@ -90,7 +91,7 @@ def _after_forward(module: ParallelModule, args: Any, output: Any) -> None:
         module._zero3.end_forward()  # ZeRO-3: drop the gathered parameters
 
 
-class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, nn.Module):
+class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, BuffersInitMixin, nn.Module):
     """Base class of generated code: one rank's shards of a model, plus gradient sync and checkpoints."""
 
     _nnscaler_parallel_module = True
@@ -176,6 +177,7 @@ class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, nn.Module
     def _preflight(self, what: str, named_inputs: Callable[[], Iterable[tuple[str, Any]]]) -> None:
         """Before running: refuse without the process group; the ranks of the plan got the same inputs."""
         owner = type(self).__name__
+        self._require_buffers_inited(what)  # non-persistent buffers never written: refuse (buffers_init)
         preflight.require_process_group(owner, what, self.rank, self.world_size, self.plan_ngpus)
         if self.plan_ngpus > 1 and self.check_input_agreement:
             preflight.check_plan_inputs(
@@ -313,6 +315,7 @@ class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, nn.Module
             self._zero3.write(local_name, value)
         else:
             self._tensor(local_name).copy_(value)
+        self._buffer_written(local_name)
 
     def _init_source(self) -> Mapping[str, torch.Tensor] | None:
         cls = type(self)
@@ -344,6 +347,7 @@ class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, nn.Module
                 )
             else:
                 self._buffers[name] = data
+        self._reset_buffers_init()  # writes below (_write) mark the non-persistent buffers they fill
         constants = load_constants(self)  # part of the code: loaded whatever init_params says
         source = self._init_source() if init_params else None
         if source is not None:
@@ -355,6 +359,8 @@ class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, nn.Module
             if missing:
                 raise KeyError(f"{type(self).__name__}: the initial weights lack {missing}")
             self.load_merged_state_dict(source, strict=False)
+        if init_params:  # init_params=False: the caller loads them (parallelize warns after)
+            self._warn_uninit_buffers()
 
     # ---- full (merged) state dicts --------------------------------------------------------------------
 

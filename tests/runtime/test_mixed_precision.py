@@ -207,6 +207,7 @@ def _reload(rank, cfg, merged, merged_opt, pm, opt, freq, x, t, name) -> None:
     pm5, opt5 = _fresh(rank, Bf16Gen, cfg, None)
     load_deduped_state_dict(pm5, dd_model, opt5, copy.deepcopy(dd_opt))
     pm5.freq.copy_(freq)  # a non-persistent buffer: in no state dict
+    pm5.mark_non_persistent_buffers_inited()  # set by hand: forward may run
     for module, optim in [(pm, opt), (pm2, opt2), (pm3, opt3), (pm4, opt4), (pm5, opt5)]:
         module(x, t).backward()
         optim.step()

@@ -201,6 +201,7 @@ def train_worker(rank: int, world: int) -> dict[str, Any]:
 
     pm6, opt6 = _fresh(rank, world, plan)
     load_sharded_state_dict(pm6, pm.state_dict(), opt6, opt.state_dict())
+    pm6.load_merged_state_dict({"freq": ref.freq}, strict=False)  # in no state dict; broadcast needs it
     _same_opt(opt6.state_dict(), opt.state_dict(), "load_sharded_state_dict optimizer")
     if not first:
         with torch.no_grad():

@@ -151,6 +151,7 @@ def _train_case(rank: int, plan: int, ngroups: int, scatter: bool, async_op: boo
     pm4, opt4 = _fresh(rank, cfg, None)
     load_deduped_state_dict(pm4, dd_model, opt4, copy.deepcopy(dd_opt))  # not sharing opt's live state
     pm4.freq.copy_(ref.freq)  # a non-persistent buffer: in no state dict
+    pm4.mark_non_persistent_buffers_inited()  # set by hand: forward may run
     _same_state(pm4.state_dict(), sd, f"{case}: load_deduped_state_dict model")
     _same_opt(opt4.state_dict(), opt_sd, f"{case}: load_deduped_state_dict optimizer")
     for module, optim in [(pm, opt), (pm2, opt2), (pm4, opt4)]:

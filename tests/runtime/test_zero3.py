@@ -154,12 +154,14 @@ def _train_case(rank: int, plan: int, ngroups: int, opt_name: str) -> None:
     pm3, opt3 = _fresh(rank, cfg, None, opt_name)
     load_sharded_state_dict(pm3, sd, opt3, opt_sd)
     pm3.freq.copy_(ref.freq)  # a non-persistent buffer: in no state dict
+    pm3.mark_non_persistent_buffers_inited()  # set by hand: forward may run
     _same_state(pm3.state_dict(), sd, f"{case}: load_sharded_state_dict model")
     _same_opt(opt3.state_dict(), opt_sd, f"{case}: load_sharded_state_dict optimizer")
     dd_model, dd_opt = deduped_state_dict(pm, opt)
     pm4, opt4 = _fresh(rank, cfg, None, opt_name)
     load_deduped_state_dict(pm4, dd_model, opt4, copy.deepcopy(dd_opt))
     pm4.freq.copy_(ref.freq)  # a non-persistent buffer: in no state dict
+    pm4.mark_non_persistent_buffers_inited()  # set by hand: forward may run
     _same_state(pm4.state_dict(), sd, f"{case}: load_deduped_state_dict model")
     _same_opt(opt4.state_dict(), opt_sd, f"{case}: load_deduped_state_dict optimizer")
     for module, optim in [(pm, opt), (pm2, opt2), (pm3, opt3), (pm4, opt4)]:

@@ -13,10 +13,12 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from nnscaler.runtime.comm import rank_in_group
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.module import ParallelModule
+from nnscaler.runtime.module_parts.buffers_init import NOT_INITED
 from nnscaler.runtime.optimizer import parallel_modules
 
 __all__ = [
     "broadcast_weights",
+    "broadcast_persistent_weights",
     "broadcast_optimizer_state",
     "dp_first",
     "optimizer_state_first",
@@ -68,12 +70,42 @@ def _outer_tensors(module: nn.Module) -> list[torch.Tensor]:
     return [t for t in [*module.parameters(), *module.buffers()] if id(t) not in inner]
 
 
+def _check_source_buffers(pm: ParallelModule, prefix: str, src: int, dp: dist.ProcessGroup) -> None:
+    """RuntimeError on every rank of `dp` when the source holds uninitialised non-persistent buffers
+    (broadcasting them would spread garbage). The buffers are the same on every rank of one plan, so
+    the ranks agree on whether to exchange the flag."""
+    names = [i.original_name for i in pm.fullmap.values() if not i.is_param and not i.persistent]
+    if not names:
+        return
+    flag = torch.tensor([int(pm.non_presistent_buffers_inited)], dtype=torch.int64, device=runtime_device())
+    dist.broadcast(flag, src=src, group=dp)
+    if not int(flag.item()):
+        raise RuntimeError(
+            f"{NOT_INITED} broadcast_weights: the source rank {src} of the ParallelModule at "
+            f"{prefix or '<root>'!r} has not initialized its non-persistent buffers (of {names}), so there is "
+            f"nothing valid to broadcast. Build it with init_module_params=True on rank {src}, or set the "
+            "buffers there and call module.mark_non_persistent_buffers_inited() before broadcast_weights."
+        )
+
+
 def broadcast_weights(module: nn.Module, stride_size: int | None = None, *, src_rank: int = 0) -> None:
     """Make data-parallel replicas equal: broadcast each ParallelModule's local tensors within its
     "dp" group from the group's `src_rank`-th rank (0: the first); outer tensors from global `src_rank`.
 
     `stride_size` (nnScaler's argument): the ranks holding distinct pieces, sources of the broadcast;
-    for a ParallelModule that is its `plan_ngpus` (the default, None), the only value that fits."""
+    for a ParallelModule that is its `plan_ngpus` (the default, None), the only value that fits.
+    RuntimeError on every rank when the source has uninitialised non-persistent buffers; afterwards
+    every rank's are the source's (`non_presistent_buffers_inited` is True)."""
+    _broadcast(module, stride_size, src_rank, non_persistent=True)
+
+
+def broadcast_persistent_weights(module: nn.Module) -> None:
+    """`broadcast_weights` without the non-persistent buffers (load_deduped_state_dict): no checkpoint
+    holds them, so each rank keeps its own, initialised or not (forward refuses until they are)."""
+    _broadcast(module, None, 0, non_persistent=False)
+
+
+def _broadcast(module: nn.Module, stride_size: int | None, src_rank: int, *, non_persistent: bool) -> None:
     for prefix, pm in parallel_modules(module):
         if stride_size is not None and stride_size != pm.plan_ngpus:
             raise ValueError(
@@ -85,11 +117,19 @@ def broadcast_weights(module: nn.Module, stride_size: int | None = None, *, src_
         if dp is None:
             continue
         src = dist.get_global_rank(dp, src_rank)
+        if non_persistent:
+            _check_source_buffers(pm, prefix, src, dp)
+            skip: set[int] = set()
+        else:
+            skip = {id(pm._tensor(n)) for n, i in pm.fullmap.items() if not i.is_param and not i.persistent}
+        buffers = [b for b in pm.buffers() if id(b) not in skip]
         if pm._zero3 is not None:  # ZeRO-3: parameters are slices; gather, broadcast, re-slice
             pm._zero3.broadcast(src)
-            _broadcast_coalesced(list(pm.buffers()), src, dp)
+            _broadcast_coalesced(buffers, src, dp)
         else:
-            _broadcast_coalesced([*pm.parameters(), *pm.buffers()], src, dp)
+            _broadcast_coalesced([*pm.parameters(), *buffers], src, dp)
+        if non_persistent:
+            pm.mark_non_persistent_buffers_inited()  # the source's, checked above
     world = _world()
     outer = _outer_tensors(module)
     if world is not None and outer:

@@ -18,6 +18,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from nnscaler.errors import CheckpointError
 from nnscaler.runtime.checkpoint.broadcast import (
     broadcast_optimizer_state,
+    broadcast_persistent_weights,
     broadcast_weights,
     dp_first,
     optimizer_state_first,
@@ -221,7 +222,7 @@ def load_deduped_state_dict(
     _check_metadata("load_deduped_state_dict", module, module_state_dict)
     module_state_dict = share_zero3_weights(module, module_state_dict)
     module.load_state_dict(module_state_dict, strict=False)
-    broadcast_weights(module)
+    broadcast_persistent_weights(module)  # non-persistent buffers: in no checkpoint, each rank keeps its own
     if optimizer is None or optimizer_state_dict is None:
         return
     _check_optimizer_rank("load_deduped_state_dict", module, optimizer_state_dict)

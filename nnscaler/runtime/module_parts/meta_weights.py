@@ -26,19 +26,25 @@ def meta_tensor_names(module: nn.Module) -> list[str]:
     return [name for name, t in tensors if t.is_meta]
 
 
-def refuse_meta_weights(module: nn.Module, init_params_sync: str) -> None:
+def refuse_meta_weights(module: nn.Module, init_params_sync: str, wanted: bool = True) -> str:
     """Raise when the ranks that provide the weights hold meta tensors. A collective (one small
-    all-gather) when the default process group has several ranks: every rank calls it."""
-    mine = meta_tensor_names(module)
+    all-gather) when the default process group has several ranks: every rank calls it, `wanted` its
+    init_module_params. Returns the init_params_sync to load with: as given when every rank wants the
+    weights; 'none' when some do not (nnScaler 0.8 allows that: broadcast_weights fills them later), so
+    that each rank that does loads its own and no rank waits for the others."""
+    mine = meta_tensor_names(module) if wanted else []
+    shown = mine[:3] + (["..."] if len(mine) > 3 else [])
     if is_initialized() and dist.get_world_size() > 1:
-        everyone: list[list[str] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine[:3] + (["..."] if len(mine) > 3 else []))
-        sources = [0] if init_params_sync == "broadcast" else range(len(everyone))
-        bad = {r: everyone[r] for r in sources if everyone[r]}
+        everyone: list[tuple[bool, list[str]] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (wanted, shown))
+        wants = [w for w, _ in everyone]  # type: ignore[misc]
+        all_want = all(wants)
+        sources = [0] if init_params_sync == "broadcast" and all_want else range(len(everyone))
+        bad = {r: everyone[r][1] for r in sources if everyone[r][1]}  # type: ignore[index]
     else:
-        bad = {0: mine[:3] + (["..."] if len(mine) > 3 else [])} if mine else {}
+        all_want, bad = wanted, ({0: shown} if mine else {})
     if not bad:
-        return
+        return init_params_sync if all_want else "none"
     where = "; ".join(f"rank {r}: {names}" for r, names in bad.items())
     raise ConfigError(
         f"parallelize: the module's weights are on the meta device ({where}), so the ParallelModule would "
