@@ -15,6 +15,7 @@ built on the first forward with gradients enabled (or the first `sync_grad` / `b
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sys
 import time
@@ -44,6 +45,8 @@ from nnscaler.runtime.module_parts.grads import GradientsMixin
 from nnscaler.runtime.shard import Shard, local_shape, normalize_shard, shard_slice
 
 __all__ = ["ParallelModule", "ShardInfo", "EXTRA_STATE_FORMAT", "EXTRA_STATE_KEY"]
+
+_logger = logging.getLogger(__name__)  # ParallelModule's warnings (module_parts/buffers_init.py logs here)
 
 
 @dataclass(frozen=True)

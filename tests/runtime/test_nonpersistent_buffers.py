@@ -126,7 +126,7 @@ def _single(rank: int, world_size: int, gen: str) -> dict[str, Any]:
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("nnscaler.runtime.module_parts.buffers_init").addHandler(handler)
+    logging.getLogger("nnscaler.runtime.module").addHandler(handler)  # ParallelModule's logger
     pm = parallelize(
         model,
         {"x": x, "y": y},

@@ -17,7 +17,9 @@ from typing import Any
 
 __all__ = ["BuffersInitMixin", "NOT_INITED", "FIX"]
 
-_logger = logging.getLogger(__name__)
+_logger = logging.getLogger(
+    "nnscaler.runtime.module"
+)  # ParallelModule's logger (nnScaler 0.8 users catch it)
 
 NOT_INITED = "Non-persistent buffers haven't been initialized."
 """The start of the RuntimeError raised when they are used uninitialised (nnScaler 0.8's message)."""
@@ -71,9 +73,9 @@ class BuffersInitMixin:
         names = self._uninit_buffer_names()
         if names:
             _logger.warning(
-                "%s (rank %d): non-persistent buffers %s were not initialized, and "
-                "load_state_dict / load_merged_state_dict / load_deduped_state_dict cannot initialize them "
-                "(no state dict holds them). %s.",
+                "%s (rank %d): non-persistent buffers %s were not initialized. Non-persistent buffers cannot "
+                "be initialized with load_state_dict / load_merged_state_dict / load_deduped_state_dict (no "
+                "state dict holds them). %s.",
                 type(self).__name__,
                 self.rank,
                 names,
