@@ -91,7 +91,7 @@ def _mixed(rank: int, world_size: int, gen: str) -> dict[str, Any]:
 def test_broadcast_initialises_the_other_rank(tmp_path: Any) -> None:
     r0, r1 = spawn(_mixed, 2, tmp_path, str(tmp_path / "gen"), timeout=RUN_LIMIT)
     assert r0["before"][0] is True and torch.equal(r0["before"][1], torch.ones(4))
-    assert r1["before"][0] is False and not torch.equal(r1["before"][1], torch.ones(4))
+    assert r1["before"][0] is False and torch.isnan(r1["before"][1]).all()  # unwritten: NaN, not stale memory
     assert NOT_INITED in r1["refused"] and "'buf'" in r1["refused"]
     assert "mark_non_persistent_buffers_inited" in r1["refused"]
     for r in (r0, r1):

@@ -36,6 +36,7 @@ class BuffersInitMixin:
 
     fullmap: dict[str, Any]
     rank: int
+    _buffers: dict[str, Any]
 
     def _uninit_buffers(self) -> set[str]:
         pending = self.__dict__.get("_pending_buffers")  # set by _reset_buffers_init in load_shards
@@ -43,9 +44,12 @@ class BuffersInitMixin:
 
     def _reset_buffers_init(self) -> None:
         """Just allocated (`load_shards`): every non-persistent buffer is unwritten."""
-        self.__dict__["_pending_buffers"] = {
-            name for name, info in self.fullmap.items() if not info.is_param and not info.persistent
-        }
+        pending = {name for name, info in self.fullmap.items() if not info.is_param and not info.persistent}
+        self.__dict__["_pending_buffers"] = pending
+        for name in pending:  # NaN until written: never stale memory that happens to look valid
+            data = self._buffers.get(name)
+            if data is not None and data.is_floating_point():
+                data.fill_(float("nan"))
 
     def _buffer_written(self, local_name: str) -> None:
         self._uninit_buffers().discard(local_name)
