@@ -57,8 +57,14 @@ def outer_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 def _reducers(module: nn.Module) -> list[Any]:
-    """The gradient reducers of every ParallelModule in `module` (nnScaler's `reducers`)."""
-    return [r for _, pm in parallel_modules(module) for r in pm.reducers]
+    """The gradient reducers of every ParallelModule in `module` (nnScaler's `reducers`), each labelled
+    with its module's class and path (for its warnings)."""
+    out = []
+    for prefix, pm in parallel_modules(module):
+        for r in pm.reducers:
+            r.label = f"{type(pm).__name__} at {prefix.rstrip('.') or '<root>'!r}"
+            out.append(r)
+    return out
 
 
 def _world() -> dist.ProcessGroup | None:

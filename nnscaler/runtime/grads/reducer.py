@@ -76,6 +76,9 @@ class Reducer(ReducerHooksMixin):
     `grad_dtype` (e.g. fp32): the buckets of lower-precision parameters hold their gradients in this
     dtype and reduce them in it; the reduced gradients are then `param.main_grad` (see buckets.py).
 
+    Reducer hooks (reducer_hooks.py) run once per step: while any is registered, backward launches
+    nothing (as inside `no_sync`) except in train_step's last micro-batch (`defers`).
+
     `robust` (aggregation.py; not with a hierarchy or several ZeRO groups): a coordinate-wise rule
     replaces each bucket's collective; Zeno launches nothing in backward and weighs the buckets in
     `sync`. `fault` (fault_inject.py, a drill) corrupts this rank's buckets before they are reduced.
@@ -307,7 +310,8 @@ class Reducer(ReducerHooksMixin):
             self._in_pass = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         zeno = self.robust is not None and self.robust.zeno is not None  # scores first, in sync
-        if bucket.accept(i) and self.enabled and not reductions_skipped() and not zeno:
+        launch = self.enabled and not reductions_skipped() and not zeno
+        if bucket.accept(i) and launch and not self._defer():
             self._launch(bucket)
             if self.stage >= 2 or self.hier is not None:
                 self._reap()

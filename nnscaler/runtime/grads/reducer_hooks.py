@@ -1,12 +1,18 @@
 """nnScaler's reducer hooks: callables run on each bucket's flat gradient before it is reduced
 (`register_pre_hook`) and on its reduced gradient after (`register_post_hook`), mixed into Reducer.
 
+Hooks run once per optimizer step, on the fully accumulated gradient, as under nnScaler 0.8's sync
+reducer: a Reducer with hooks defers its reductions to `sync` (the step) instead of launching them in
+backward (`ReducerHooksMixin.defers`), and warns once, on rank 0, when that first keeps a reduction from
+overlapping backward.
+
 `build_optimizer`'s optimizer registers a hook on every reducer at once
 (`optimizer.register_reducer_pre_hook(fn)`, `fn(reducer, grad)`), as nnScaler 0.8's does.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,6 +29,13 @@ GradHook = Callable[[torch.Tensor], None]
 
 class ReducerHooksMixin:
     """Pre / post reduction hooks, applied one by one in the order they were registered."""
+
+    last_backward = False
+    """Set by `ParallelModule.reducing` (train_step's last micro-batch): the gradient is final in this
+    backward, so it launches reductions even when hooks are registered (`defers`)."""
+    label = "a ParallelModule's gradient reducer"
+    """Names the reducer in warnings (`build_optimizer` sets its module's class and path)."""
+    _warned_defer = False
 
     def register_pre_hook(self, fn: GradHook) -> None:
         """Run `fn(grad)` on each bucket's local (already divided) gradient before it is reduced."""
@@ -53,6 +66,40 @@ class ReducerHooksMixin:
 
     def _has_hooks(self) -> bool:
         return bool(self.__dict__.get("_pre_hooks") or self.__dict__.get("_post_hooks"))
+
+    def defers(self) -> bool:
+        """Whether backward leaves every reduction to `sync` (the step): hooks are registered (they run
+        once per step, on the gradient accumulated over all of its backward passes) and this backward
+        is not known to be the step's last (`last_backward`)."""
+        return self._has_hooks() and not self.last_backward
+
+    def _defer(self) -> bool:
+        """`defers`, asked for a bucket backward would launch now; the first time it holds, warn (on
+        rank 0) that the reductions no longer overlap backward."""
+        if not self.defers():
+            return False
+        if not self._warned_defer:
+            self._warned_defer = True
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                warnings.warn(self._defer_message(), UserWarning, stacklevel=2)
+        return True
+
+    def _defer_message(self) -> str:
+        stage = getattr(self, "stage", 0)
+        memory = ""
+        if stage >= 2:
+            memory = (
+                f" The full gradient buffers are kept until then, so ZeRO stage {stage} saves no "
+                "gradient memory in backward."
+            )
+        return (
+            f"{self.label}: reducer hooks are registered, so its gradient reduction no longer overlaps "
+            "backward: each bucket is reduced once, at the optimizer step (sync_grad), and the hooks see "
+            "the gradient accumulated over all of the step's backward passes (as in nnScaler 0.8)."
+            f"{memory} To keep the overlap, register no reducer hooks and accumulate gradients under "
+            "module.no_sync() / nnscaler.sync_grad_when(False); train_step still overlaps its last "
+            "micro-batch's reductions."
+        )
 
 
 class OuterReducer(ReducerHooksMixin):

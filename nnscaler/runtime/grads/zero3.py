@@ -342,7 +342,7 @@ class Zero3Reducer(Reducer):
         flat.uses[i] = max(flat.uses[i] - 1, 0)
         if not bucket.accept(i, grad, arrive=flat.uses[i] == 0):
             return
-        if self.enabled and not reductions_skipped():
+        if self.enabled and not reductions_skipped() and not self._defer():  # reducer hooks
             self._launch(bucket)
             self._reap()
             # bound the full gradient buffers in flight: take in the oldest reduce-scatters (in launch

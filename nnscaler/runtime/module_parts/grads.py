@@ -160,12 +160,13 @@ class GradientsMixin:
         if red is None:
             yield
             return
-        old = red.enabled, red.settle_after_backward
+        old = red.enabled, red.settle_after_backward, red.last_backward
         red.enabled, red.settle_after_backward = True, False  # the step's final sync_grad waits
+        red.last_backward = True  # the gradient is final: reducer hooks need not defer the reductions
         try:
             yield
         finally:
-            red.enabled, red.settle_after_backward = old
+            red.enabled, red.settle_after_backward, red.last_backward = old
 
     def sync_grad(self) -> None:
         """Average gradients over the data-parallel group ("dp"): wait for the reductions the backward
