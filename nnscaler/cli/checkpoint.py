@@ -1,13 +1,15 @@
 """Trainer checkpoints on disk: atomic directories, `last` / `best` pointers, pruning, loading.
 
-Layout under `save_dir` (nnScaler's): `{epoch:04d}-{step:04d}/{rank}.ckpt` (sharded, deduped) or
-`.../merged.ckpt` (merged), plus `last` and `best` (relative symlinks, or copies). Each directory
-ends with `complete.json` (save type, world size, the plan of each rank), written last.
+Layout under `save_dir` (nnScaler 0.8's): `{epoch:04d}-{step:04d}/{rank}.ckpt` (sharded, deduped) or
+`.../merged.ckpt` (merged), plus `last` and `best`: directories of relative links to the files of a
+step directory (or copies; nnscaler.cli.checkpoint_pointers). Each step directory ends with
+`complete.json` (save type, world size, the plan of each rank), written last. A run that starts
+afresh moves an earlier run's checkpoints into `earlier_runs/{UTC time}/` (`archive_earlier_run`).
 
 Atomicity: every rank writes its file into `.tmp-{name}/` (temporary file, fsync, rename); after a
 barrier rank 0 writes `complete.json`, fsyncs, renames the directory to `{name}` and only then
-repoints `last` (a new symlink renamed over the old one). A process killed at any point leaves the
-previous checkpoint and `last` intact; stale `.tmp-*` directories are removed by the next save.
+repoints `last` (built under `.last.new`, then swapped in). A process killed at any point leaves the
+previous checkpoint and `last` usable; stale `.tmp-*` directories are removed by the next save.
 The atomic writing is the runtime's (nnscaler.runtime.checkpoint.files); this module keeps the
 Trainer's layout: file names, `complete.json`, pointers and pruning.
 """
@@ -15,12 +17,15 @@ Trainer's layout: file names, `complete.json`, pointers and pruning.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nnscaler.cli.checkpoint_pointers import POINTERS, point, pointer_entries, pointer_path, pointer_target
 from nnscaler.errors import CheckpointError
 from nnscaler.runtime.checkpoint.files import (
     atomic_save,
@@ -39,6 +44,11 @@ __all__ = [
     "checkpoint_info",
     "resolve_checkpoint",
     "point",
+    "pointer_path",
+    "pointer_target",
+    "archive_earlier_run",
+    "EARLIER_RUNS",
+    "POINTERS",
     "prune",
     "step_dirs",
     "barrier",
@@ -47,6 +57,9 @@ __all__ = [
 
 COMPLETE_FILE = "complete.json"
 MERGED_FILE = "merged.ckpt"
+EARLIER_RUNS = "earlier_runs"
+
+logger = logging.getLogger(__name__)
 
 
 def rank_file(directory: Path, rank: int) -> Path:
@@ -92,56 +105,35 @@ def write_checkpoint_dir(
     )
 
 
-def point(save_dir: Path, pointer: str, target: Path, symlink: bool = True) -> None:
-    """Make `save_dir/pointer` (`last`, `best`) refer to checkpoint directory `target` (rank 0 only):
-    a relative symlink, or a copy. The new pointer is complete before it replaces the old one."""
-    save_dir = Path(save_dir)
-    link = save_dir / pointer
-    tmp = save_dir / f".tmp-{pointer}"
-    _remove(tmp)
-    if symlink:
-        os.symlink(os.path.relpath(target, save_dir), tmp)
-    else:
-        shutil.copytree(target, tmp)
-        fsync_dir(tmp)
-    if link.is_dir() and not link.is_symlink():  # a copy: a directory cannot be renamed over
-        old = save_dir / f".tmp-old-{pointer}"
-        _remove(old)
-        os.replace(link, old)
-        os.replace(tmp, link)
-        _remove(old)
-    elif link.is_symlink() and not symlink:  # neither can a symlink by a directory
-        link.unlink()
-        os.replace(tmp, link)
-    else:
-        os.replace(tmp, link)
-    fsync_dir(save_dir)
-
-
-def _remove(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
+def _is_step_name(name: str) -> bool:
+    parts = name.split("-")
+    return len(parts) == 2 and all(p.isdigit() for p in parts)
 
 
 def step_dirs(save_dir: Path) -> list[Path]:
-    """The complete `{epoch}-{step}` checkpoint directories, oldest first (by step)."""
+    """The complete `{epoch}-{step}` checkpoint directories directly under `save_dir` (not those of
+    `earlier_runs/`), oldest first (by step)."""
     save_dir = Path(save_dir)
     if not save_dir.is_dir():
         return []
     found = []
     for d in save_dir.iterdir():
-        parts = d.name.split("-")
-        if len(parts) == 2 and all(p.isdigit() for p in parts) and (d / COMPLETE_FILE).exists():
+        if _is_step_name(d.name) and (d / COMPLETE_FILE).exists():
+            parts = d.name.split("-")
             found.append((int(parts[1]), int(parts[0]), d))
     return [d for *_, d in sorted(found)]
 
 
+def _pinned(save_dir: Path) -> set[Path]:
+    """The step directories that `last` / `best` (or their in-flight names) link into."""
+    targets = (pointer_target(p) for name in POINTERS for p in pointer_entries(save_dir, name))
+    return {t for t in targets if t is not None}
+
+
 def prune(save_dir: Path, keep: int) -> None:
-    """Delete all but the newest `keep` step checkpoints, never one that `last` or `best` points to."""
+    """Delete all but the newest `keep` step checkpoints, never one that `last` or `best` links into."""
     save_dir = Path(save_dir)
-    pinned = {(save_dir / p).resolve() for p in ("last", "best") if (save_dir / p).is_symlink()}
+    pinned = _pinned(save_dir)
     dirs = step_dirs(save_dir)
     for d in dirs[: max(0, len(dirs) - keep)]:
         if d.resolve() not in pinned:
@@ -151,6 +143,8 @@ def prune(save_dir: Path, keep: int) -> None:
 def resolve_checkpoint(path: Path) -> Path:
     """A complete checkpoint directory (or merged file) at `path`; CheckpointError naming the path otherwise."""
     path = Path(path)
+    if not path.exists() and path.name in POINTERS:  # a crash between the renames of point()
+        path = pointer_path(path.parent, path.name) or path
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if path.is_file():
@@ -161,6 +155,42 @@ def resolve_checkpoint(path: Path) -> Path:
             "resume from an earlier checkpoint"
         )
     return path
+
+
+def _earlier_entries(save_dir: Path) -> list[Path]:
+    """What an earlier run left under `save_dir`: pointers first (moving them first keeps what is left
+    consistent), then its step directories (complete or not)."""
+    entries = [p for name in POINTERS for p in pointer_entries(save_dir, name)]
+    return entries + sorted(d for d in save_dir.iterdir() if _is_step_name(d.name) and d.is_dir())
+
+
+def archive_earlier_run(save_dir: Path) -> Path | None:
+    """Move an earlier run's checkpoints (step directories, `last`, `best`) into
+    `save_dir/earlier_runs/{UTC time}/` (rank 0, before a fresh run writes anything): nothing is
+    overwritten or deleted, and relative links stay valid as they move together. Returns the
+    destination, or None when there was nothing to move."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return None
+    entries = _earlier_entries(save_dir)
+    if not entries:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest, n = save_dir / EARLIER_RUNS / stamp, 1
+    while dest.exists():
+        dest, n = save_dir / EARLIER_RUNS / f"{stamp}-{n}", n + 1
+    dest.mkdir(parents=True)
+    for entry in entries:
+        os.replace(entry, dest / entry.name)
+    fsync_dir(dest)
+    fsync_dir(save_dir)
+    logger.warning(
+        "checkpoint.save_dir %s held the checkpoints of an earlier run and this run starts afresh: moved them "
+        "to %s (to continue that run instead, give checkpoint.resume_from one of its checkpoints there)",
+        save_dir,
+        dest,
+    )
+    return dest
 
 
 def checkpoint_info(path: Path) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from nnscaler.cli.arg_parser import NORMALIZE_KEY, TYPE_KEY
+from nnscaler.cli.checkpoint_pointers import pointer_path
 from nnscaler.cli.loading import load_type
 from nnscaler.cli.train_hook import HOOK_NAMES, TrainHook
 from nnscaler.config import ComputeConfig
@@ -273,7 +274,7 @@ class CheckpointConfig:
     save_best: bool = True
     """Keep `best` pointing at the checkpoint with the lowest validation (else training) loss."""
     symlink_best_and_last: bool = True
-    """`last`/`best` are relative symlinks (False: copies)."""
+    """`last`/`best` are directories of relative symlinks to a step's files (False: of copies)."""
     every_n_train_steps: int | None = None
     """Save every N optimizer steps."""
     every_n_epochs: int | None = None
@@ -312,9 +313,8 @@ class CheckpointConfig:
         """The checkpoint to resume from, or None (nothing asked, or no `last`/`best` yet)."""
         if not self.resume_from or not self.resume_from.checkpoint:
             return None
-        if self.resume_from.checkpoint in ("last", "best"):
-            path = Path(self.save_dir) / self.resume_from.checkpoint
-            return path if path.exists() else None
+        if self.resume_from.checkpoint in ("last", "best"):  # recovers from a crash while it was repointed
+            return pointer_path(Path(self.save_dir), self.resume_from.checkpoint)
         return Path(self.resume_from.checkpoint)
 
 

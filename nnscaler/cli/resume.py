@@ -168,18 +168,17 @@ def _loader_states(datas: list[dict[str, Any]]) -> dict[str, Any]:
     return {"dataloader": [d.get("dataloader") for d in datas]}
 
 
-def check_before_start(cfg: CheckpointConfig) -> None:
+def check_before_start(cfg: CheckpointConfig, rank: int = 0, compile_only: bool = False) -> None:
     """Before anything is compiled or written: the checkpoint to resume from must be complete, and a
-    run that starts afresh must not write over the checkpoints of an earlier run."""
+    run that starts afresh moves an earlier run's checkpoints out of its way (rank 0, into
+    `save_dir/earlier_runs/`; the other ranks wait for it). Compiling only writes no checkpoint."""
     path = cfg.get_resume_checkpoint()
     if path is not None:
         ck.resolve_checkpoint(path)
-    elif not cfg.no_save and ck.step_dirs(cfg.save_dir):
-        newest = ck.step_dirs(cfg.save_dir)[-1]
-        raise CheckpointError(
-            f"checkpoint.save_dir {cfg.save_dir} already holds checkpoints (newest: {newest.name}) and this run "
-            "starts afresh: resume them with checkpoint.resume_from=last, or choose another checkpoint.save_dir"
-        )
+    elif not cfg.no_save and not compile_only:
+        if rank == 0:
+            ck.archive_earlier_run(Path(cfg.save_dir))
+        ck.barrier()
 
 
 def resume(trainer: SavingTrainer) -> None:
@@ -233,7 +232,8 @@ def resume(trainer: SavingTrainer) -> None:
     trainer.pending_rng = rng
     trainer._saved_step = trainer.train_status["step"]
     trainer.hook.after_load_checkpoint(trainer, data)
-    shown = f"{path} -> {path.resolve()}" if path.is_symlink() else str(path)  # last, best: the step dir
+    target = ck.pointer_target(path)  # last, best: the step directory they link into
+    shown = f"{path} -> {target}" if target is not None else str(path)
     say(trainer.rank, f"resumed from {shown} at step {trainer.train_status['step']}")
 
 
@@ -261,7 +261,8 @@ def merge_checkpoint(checkpoint_files: list[str] | str, output_file: str) -> Non
     if isinstance(checkpoint_files, (str, Path)):
         checkpoint_files = [checkpoint_files]
     first = Path(checkpoint_files[0])
-    directory = first if first.is_dir() else first.parent
+    # `last` / `best` missing after a crash: resolve_checkpoint recovers them
+    directory = first if first.is_dir() or first.name in ck.POINTERS else first.parent
     merged = read_merged(directory)
     out = Path(output_file)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -125,7 +125,7 @@ class Trainer:
                 f"compute_config.runtime_ngpus is {cc.runtime_ngpus} but {self.world_size} processes run: start "
                 f"{cc.runtime_ngpus} (torchrun --nproc_per_node {cc.runtime_ngpus}) or set runtime_ngpus"
             )
-        _resume.check_before_start(args.checkpoint)  # fail before compiling, and overwrite nothing
+        _resume.check_before_start(args.checkpoint, self.rank, args.compile_mode)  # before compiling
         args.init_env(self)
         self.train_dataset = args.create_dataset("train")
         model = args.create_model()

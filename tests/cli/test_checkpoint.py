@@ -1,5 +1,5 @@
 """Checkpoints: resuming gives bitwise the same losses; a SIGKILL mid-write leaves `last` usable;
-bad resume paths fail naming the path; keep_last_n and best."""
+bad resume paths fail naming the path; keep_last_n and best; a fresh run moves an earlier one aside."""
 
 from __future__ import annotations
 
@@ -82,13 +82,13 @@ def test_sigkill_while_writing_leaves_a_resumable_checkpoint(tmp_path):
     )
     assert killed.returncode == -9, killed.stderr[-3000:]
     save_dir = tmp_path / "ckpt"
-    assert os.readlink(save_dir / "last") == "0000-0002"
+    assert os.readlink(save_dir / "last" / "0.ckpt") == "../0000-0002/0.ckpt"
     assert (save_dir / ".tmp-0000-0004").is_dir() and not (save_dir / "0000-0004").exists()
 
     resumed = Trainer(gpt_args(tmp_path, "dp", 1, 1, **steps, **{"checkpoint.resume_from": "last"}))
     resumed.run()
     assert resumed.train_status["step"] == 6 and len(resumed.losses) == 4
-    assert os.readlink(save_dir / "last") == "0000-0006"
+    assert os.readlink(save_dir / "last" / "0.ckpt") == "../0000-0006/0.ckpt"
     assert not (save_dir / ".tmp-0000-0004").exists()  # the next save cleared the debris
 
     reference = Trainer(gpt_args(tmp_path / "ref", "dp", 1, 1, **steps))
@@ -138,17 +138,19 @@ def test_keep_last_n_and_best(tmp_path):
     t.run()
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert names == ["0000-0003", "0000-0004", "best", "last"]
-    assert os.readlink(tmp_path / "ckpt" / "best") == "0000-0004"  # the loss keeps falling
+    assert (
+        os.readlink(tmp_path / "ckpt" / "best" / "0.ckpt") == "../0000-0004/0.ckpt"
+    )  # the loss keeps falling
 
 
-def test_a_fresh_run_does_not_overwrite_earlier_checkpoints(tmp_path):
+def test_a_fresh_run_moves_earlier_checkpoints_aside(tmp_path):
     Trainer(gpt_args(tmp_path, "dp", 1, 1, max_train_steps=2)).run()
-    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "ckpt").rglob("*.ckpt")}
-    with pytest.raises(
-        CheckpointError, match="already holds checkpoints .newest: 0000-0002.*resume_from=last"
-    ):
-        Trainer(gpt_args(tmp_path, "dp", 1, 1, max_train_steps=2)).run()
-    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "ckpt").rglob("*.ckpt")} == before
+    save_dir = tmp_path / "ckpt"
+    before = {p.relative_to(save_dir): p.read_bytes() for p in save_dir.rglob("*.ckpt")}
+    Trainer(gpt_args(tmp_path, "dp", 1, 1, max_train_steps=2)).run()  # afresh: no longer refused
+    (archived,) = (save_dir / "earlier_runs").iterdir()
+    assert {p.relative_to(archived): p.read_bytes() for p in archived.rglob("*.ckpt")} == before
+    assert os.readlink(save_dir / "last" / "0.ckpt") == "../0000-0002/0.ckpt"
 
 
 def test_copies_instead_of_symlinks_and_resume_from_best(tmp_path):
@@ -160,6 +162,7 @@ def test_copies_instead_of_symlinks_and_resume_from_best(tmp_path):
     Trainer(gpt_args(tmp_path, "dp", 1, 1, **copies)).run()
     last, best = tmp_path / "ckpt" / "last", tmp_path / "ckpt" / "best"
     assert not last.is_symlink() and (last / "complete.json").exists()
+    assert not any(f.is_symlink() for f in last.iterdir())  # copies, not links
     assert json.loads((last / "complete.json").read_text())["step"] == 2
     resumed = Trainer(
         gpt_args(tmp_path, "dp", 1, 1, **{**copies, "max_train_steps": 3, "checkpoint.resume_from": "best"})

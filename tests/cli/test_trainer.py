@@ -80,4 +80,7 @@ def test_torchrun_launches_the_cli(tmp_path):
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step 4/4" in done.stdout
-    assert os.readlink(tmp_path / "ckpt" / "last") == "0000-0004"
+    assert [os.readlink(tmp_path / "ckpt" / "last" / f"{r}.ckpt") for r in (0, 1)] == [
+        "../0000-0004/0.ckpt",
+        "../0000-0004/1.ckpt",
+    ]
