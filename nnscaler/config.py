@@ -80,7 +80,8 @@ class ComputeConfig:
     runtime_ngpus: int | None = None
     """Devices in the run; `runtime_ngpus / plan_ngpus` data-parallel replicas. None: $WORLD_SIZE."""
     constant_folding: bool = False
-    """Fold values that do not depend on inputs into constants."""
+    """Write the sizes the generated code computes with (view shapes, arange ends) as their traced
+    values; the input dims they come from are then fixed, the others stay open."""
     trace_strategy: str = "cuda_run_cpu_offload"
     """Kept for compatibility: tracing here always runs on fake tensors."""
     use_zero: bool = False

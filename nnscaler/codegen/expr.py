@@ -39,8 +39,12 @@ class Formatter:
         plan_ngpus: int = 1,
         runtime_ngpus: int = 1,
         mesh: tuple[int, ...] = (),
+        fold_sizes: bool = False,
     ):
         self.tp_index = tp_index
+        self.fold_sizes = fold_sizes
+        """constant_folding=True: run-time sizes are written as their traced values (the generated
+        forward fixes the input dims they read: codegen/shape_code.py folded_sizes)."""
         self.mesh = mesh
         """The tensor-parallel group as a mesh (2-D splits); () when every split spans the group."""
         self.rank, self.plan_ngpus, self.runtime_ngpus = rank, plan_ngpus, runtime_ngpus
@@ -83,7 +87,7 @@ class Formatter:
             index = self.tp_index if obj.axis is None else mesh_coords(self.tp_index, self.mesh)[obj.axis]
             return str(index * obj.scale)
         if isinstance(obj, SymExpr):  # a size computed from the input shapes at run time
-            return obj.code
+            return self(obj.hint) if self.fold_sizes else obj.code
         if isinstance(obj, ModeValue):  # follows the generated module's train()/eval()
             return obj.render(self)
         if isinstance(obj, bool) or obj is None:

@@ -9,12 +9,15 @@ from nnscaler.partition import Program
 __all__ = ["unpack_inputs"]
 
 
-def unpack_inputs(program: Program, rules: list | None = None) -> tuple[list[str], str | None]:
+def unpack_inputs(
+    program: Program, rules: list | None = None, folded: frozenset[str] = frozenset()
+) -> tuple[list[str], str | None]:
     """Plain tensor arguments are used by name; nested or non-tensor ones are flattened as traced;
     arguments left at their defaults when traced are checked; then input sizes are bound and checked
-    against the traced shapes and the `rules` (default: the program's shape rules)."""
+    against the traced shapes and the `rules` (default: the program's shape rules). `folded`: the size
+    names the code was written with as constants (constant_folding=True), fixed to their traced sizes."""
     lines, in_spec = _unpack_leaves(program)
-    lines += size_check_lines(program.input_meta, program.size_names, program.static_shapes)
+    lines += size_check_lines(program.input_meta, program.size_names, program.static_shapes, folded)
     rules = program.shape_rules if rules is None else rules
     lines += rule_check_lines(rules, program.size_names, program.input_meta)
     return lines, in_spec

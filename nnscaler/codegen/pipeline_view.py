@@ -12,7 +12,7 @@ from nnscaler.codegen.pipeline_layout import PipelineLayout
 from nnscaler.codegen.safe_text import docstring_text, literal
 from nnscaler.codegen.schedule_code import pipeline_infer_lines, pipeline_train_lines
 from nnscaler.codegen.sections import build_sections
-from nnscaler.codegen.shape_code import shape_code, sizes_read, uses_math
+from nnscaler.codegen.shape_code import folded_sizes, shape_code, sizes_read, uses_math
 from nnscaler.codegen.shards_code import frozen_params, shard_lines
 from nnscaler.codegen.view_model import (
     ModuleView,
@@ -72,8 +72,16 @@ def _tied_groups(pprog: PipelineProgram) -> dict[str, list[int]]:
     return out
 
 
-def _spec(meta) -> str:
-    return f"TensorSpec({shape_code(meta)}, torch.{meta.dtype}, {meta.requires_grad})"
+def _spec(meta, fold: bool) -> str:
+    return f"TensorSpec({shape_code(meta, fold)}, torch.{meta.dtype}, {meta.requires_grad})"
+
+
+def _folded(pprog: PipelineProgram, fold: bool) -> frozenset[str]:
+    """The size names every stage's code (statements, outputs, received buffers) was written with as
+    constants: the same contract on every rank."""
+    statements = [st for s in pprog.stages for st in s.program.statements]
+    others = [m for s in pprog.stages for m in (s.program.outputs, *s.received_meta)]
+    return folded_sizes(fold, statements, others, pprog.inputs.size_names)
 
 
 def _pipeline_header(
@@ -168,7 +176,8 @@ def build_pipeline_view(
     tensors = _stage_tensors(pprog, mine)
     param_names = {t.name for t in tensors}
     mesh = pprog.stages[0].program.mesh if pprog.stages else ()
-    fmt = make_formatter(cfg, rank, tp_index, param_names, mesh)
+    fold = pprog.inputs.static_shapes  # constant_folding=True: sizes written as traced
+    fmt = make_formatter(cfg, rank, tp_index, param_names, mesh, fold)
     frozen = frozen_params([s.program for s in pprog.stages])
     shards, aliases = shard_lines(tensors, tp_index, pprog.tp_size, mesh, frozen)
     tied = _tied_groups(pprog)
@@ -181,7 +190,7 @@ def build_pipeline_view(
     stages, functions, uses_checkpoint = _stage_views(pprog, mine, fmt, full_shapes, layer_functions)
     init_call, groups = _pipeline_init_call(pprog, layout, rank, tied, mesh)
     rules = pprog.inputs.shape_rules + [r for s in pprog.stages for r in s.program.shape_rules]
-    unpack, in_spec_json = unpack_inputs(pprog.inputs, rules)
+    unpack, in_spec_json = unpack_inputs(pprog.inputs, rules, _folded(pprog, fold))
     defaults = [f"{k}={v!r}" for k, v in pprog.inputs.untraced_args.items()]
     statements = [st for s in mine for st in pprog.stages[s].program.statements]
     args = (
@@ -228,7 +237,7 @@ def _add_stage_inputs(view: ModuleView, pprog: PipelineProgram, statements: list
     """What micro_batch_inputs returns and what stage_inputs says each stage receives."""
     view.input_names = sorted({n for s in pprog.stages for n in s.graph_inputs})
     view.input_names += sorted(pprog.inputs.size_names)
-    specs = {s.index: [_spec(m) for m in s.received_meta] for s in pprog.stages}
+    specs = {s.index: [_spec(m, pprog.inputs.static_shapes) for m in s.received_meta] for s in pprog.stages}
     spec_sizes = sizes_read([m for codes in specs.values() for m in codes], pprog.inputs.size_names)
     view.stage_specs = specs
     view.mesh_groups = [f"tp_axis{k}" for k in range(len(mesh))]
@@ -256,6 +265,10 @@ def _stage_view(
     doc = docstring_text(
         f"Stage {index} of {len(pprog.stages)}: {first or 'start'} .. {last or 'end'}; {role}."
     )
-    sizes = sizes_read([(st.args, st.kwargs) for st in program.statements], pprog.inputs.size_names)
+    sizes = (
+        []
+        if fmt.fold_sizes
+        else sizes_read([(st.args, st.kwargs) for st in program.statements], pprog.inputs.size_names)
+    )
     reads = [f'{n} = mb["{n}"]' for n in [*stage.graph_inputs, *sizes]]
     return StageView(index, params, doc, reads, sections, return_code), uses_checkpoint

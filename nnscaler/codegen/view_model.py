@@ -13,7 +13,7 @@ from nnscaler.codegen.lines import CodeLine, Section, ShardLine
 from nnscaler.codegen.safe_text import comment_text
 from nnscaler.codegen.schedule_code import plain_infer_lines, plain_train_lines
 from nnscaler.codegen.sections import build_sections
-from nnscaler.codegen.shape_code import uses_math
+from nnscaler.codegen.shape_code import folded_sizes, uses_math
 from nnscaler.codegen.shards_code import frozen_params, shard_lines
 from nnscaler.config import ComputeConfig
 from nnscaler.graph.ir import iter_refs
@@ -121,7 +121,9 @@ def header_lines(
     return [comment_text(line) for line in header]  # names from the user's model: one line each
 
 
-def make_formatter(cfg: ComputeConfig, rank: int, tp_index: int, param_names: set[str], mesh) -> Formatter:
+def make_formatter(
+    cfg: ComputeConfig, rank: int, tp_index: int, param_names: set[str], mesh, fold_sizes: bool = False
+) -> Formatter:
     return Formatter(
         tp_index,
         param_names,
@@ -130,6 +132,7 @@ def make_formatter(cfg: ComputeConfig, rank: int, tp_index: int, param_names: se
         plan_ngpus=cfg.plan_ngpus,
         runtime_ngpus=cfg.runtime_ngpus,
         mesh=mesh,
+        fold_sizes=fold_sizes,
     )
 
 
@@ -210,7 +213,9 @@ def build_module_view(
     groups = f"groups: tensor-parallel {cfg.dims.plan_group(rank)}; data-parallel {cfg.dims.dp_group(rank)}"
     config = f"config: ComputeConfig(plan_ngpus={cfg.plan_ngpus}, runtime_ngpus={cfg.runtime_ngpus})"
     header = header_lines(version, rank, cfg, model_name, policy, [config, groups])
-    fmt = make_formatter(cfg, rank, tp_index, {t.name for t in program.tensors}, program.mesh)
+    fmt = make_formatter(
+        cfg, rank, tp_index, {t.name for t in program.tensors}, program.mesh, program.static_shapes
+    )
     shards, aliases = shard_lines(
         program.tensors, tp_index, program.ways, program.mesh, frozen_params([program])
     )
@@ -222,7 +227,8 @@ def build_module_view(
     sections, uses_checkpoint = build_sections(program, fmt, trailing, folded)
     return_code, spec_json, imports = _output_code(program, fmt)
     defaults = [f"{k}={v!r}" for k, v in program.untraced_args.items()]
-    unpack, in_spec_json = unpack_inputs(program)
+    folded = folded_sizes(program.static_shapes, program.statements, [program.outputs], program.size_names)
+    unpack, in_spec_json = unpack_inputs(program, folded=folded)
     view = ModuleView(
         header,
         imports + custom_op_imports(program.statements),

@@ -89,7 +89,7 @@ def compile_module(
         graph = capture(
             module,
             dummy_forward_args,
-            static_shapes=cfg.constant_folding,
+            constant_folding=cfg.constant_folding,  # sizes the code computes with become constants
             leaf_modules=list(policy.leaf_modules),  # submodules run eagerly as one op
             auto_leaf_modules=policy.auto_leaf_modules,
         )

@@ -219,7 +219,7 @@ class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, BuffersIn
                     "and parallelize again"
                 )
 
-    def input_sizes(self, name: str, value: Any, expected: tuple, static: bool = False) -> tuple[int, ...]:
+    def input_sizes(self, name: str, value: Any, expected: tuple, static: bool | tuple = False) -> tuple:
         """Generated code calls this first: input `name`'s sizes, checked against the traced ones."""
         return shapes.input_sizes(type(self).__name__, name, value, expected, static)
 

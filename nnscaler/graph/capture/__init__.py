@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
+from nnscaler.errors import TraceError
 from nnscaler.graph.capture.autograd_fn import name_autograd_functions, opaque_autograd_functions
 from nnscaler.graph.capture.convert import convert_exported
 from nnscaler.graph.capture.export import check_forward_args, export_module, untraced_defaults
@@ -22,6 +24,8 @@ from nnscaler.graph.ir import Graph
 
 __all__ = ["capture", "check_forward_args", "export_module", "convert_exported"]
 
+logger = logging.getLogger(__name__)
+
 
 def capture(
     module: torch.nn.Module,
@@ -30,18 +34,41 @@ def capture(
     both_modes: bool = True,
     leaf_modules: Sequence[str] = (),
     auto_leaf_modules: bool = True,
+    constant_folding: bool = False,
 ) -> Graph:
     """Trace `module(**dummy_forward_args)` into a Graph without touching its weights.
 
     Dummy inputs are examples, never identities: two arguments given the same tensor (or views of
-    one) are traced as two inputs. Unless `static_shapes` (ComputeConfig.constant_folding), every
-    input dim may change between calls: sizes derived from input shapes stay expressions.
+    one) are traced as two inputs. Unless `static_shapes`, every input dim may change between calls:
+    sizes derived from input shapes stay expressions (with their traced values as hints).
+    `constant_folding` (ComputeConfig.constant_folding) traces the same way and marks the graph
+    (`Graph.static_shapes`) so the generated code folds the sizes it computes with into constants;
+    a model that fails to convert with sizes open is traced again with every size fixed.
     Unless `both_modes` is False, the module is traced in train and in eval mode (twice the time) so
     the program follows train()/eval() at run time; planning alone (`python -m nnscaler.plan`) needs
     only the module's own mode, and its node names are the same.
     `leaf_modules` (paths or class names) run as one opaque op each; with `auto_leaf_modules`, so does
     a submodule whose code export refuses as data-dependent (graph/capture/leaf_modules.py).
     """
+    options = (both_modes, tuple(leaf_modules), auto_leaf_modules)
+    if not constant_folding or static_shapes:
+        return _capture(module, dummy_forward_args, static_shapes, *options)
+    try:
+        graph = _capture(module, dummy_forward_args, False, *options)
+    except TraceError as exc:  # e.g. a size that depends on tensor values: fixed sizes may still work
+        logger.info("constant_folding=True: tracing with every size fixed, as open sizes failed (%s)", exc)
+        graph = _capture(module, dummy_forward_args, True, *options)
+    return dataclasses.replace(graph, static_shapes=True)
+
+
+def _capture(
+    module: torch.nn.Module,
+    dummy_forward_args: dict[str, Any],
+    static_shapes: bool,
+    both_modes: bool,
+    leaf_modules: Sequence[str],
+    auto_leaf_modules: bool,
+) -> Graph:
     forward_args = check_forward_args(module, dummy_forward_args)
     kwargs = {k: dummy_forward_args[k] for k in forward_args}
     device = _trace_device(module)

@@ -125,6 +125,7 @@ def export_module(
         except Exception as exc:  # noqa: BLE001 - retried with fixed sizes below
             first = (str(exc).splitlines() or [type(exc).__name__])[0]
             reason = f"{first}, at {_user_frame(exc)}"
+            _clear_dim_marks(kwargs)
     try:
         with static_shape_choices(kwargs):
             ep = torch.export.export(module, (), kwargs=kwargs, strict=False)
@@ -146,3 +147,14 @@ def export_module(
         raise TraceError(
             f"torch.export could not capture the model at {where}: {msg.splitlines()[0]}"
         ) from exc
+
+
+def _clear_dim_marks(kwargs: dict[str, Any]) -> None:
+    """Forget the dynamic-dim marks a failed export left on the inputs (`_dynamo_weak_dynamic_indices`
+    ...): the retry with fixed sizes would otherwise trace those dims open again, and fail the same way."""
+    from torch.utils import _pytree as pytree
+
+    for leaf in pytree.tree_leaves(kwargs):
+        if isinstance(leaf, torch.Tensor):
+            for key in [k for k in vars(leaf) if k.startswith(("_dynamo_", "_has_dynamo_"))]:
+                delattr(leaf, key)

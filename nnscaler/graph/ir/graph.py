@@ -180,7 +180,8 @@ class Graph:
     shape_rules: tuple[ShapeRule, ...] = ()
     """Conditions on input sizes found when tracing (ranges, branches on sizes), checked at call time."""
     static_shapes: bool = False
-    """Traced with constant_folding=True: every input dim is fixed to its traced size."""
+    """Traced for constant_folding=True: the generated code folds every size it computes with into a
+    constant (its traced value) and fixes those input dims; sizes only checked stay open."""
     constants: Mapping[str, Any] = field(default_factory=FrozenDict)
     """Tensors the forward creates from literals (`torch.tensor([...])`), by buffer target: their values
     (None after loading a saved graph: the values live in the output directory's constants.pt)."""

@@ -16,11 +16,12 @@ __all__ = ["input_sizes", "check_shape"]
 
 
 def input_sizes(
-    owner: str, name: str, value: Any, expected: Sequence[int | None], static: bool
+    owner: str, name: str, value: Any, expected: Sequence[int | None], static: bool | Sequence[int]
 ) -> tuple[int, ...]:
     """The sizes of input `name`, checked: `expected[d]` None accepts any size, an int must match.
 
-    static: the code was generated with constant_folding=True (every size is fixed).
+    static: the code was generated with constant_folding=True; True: every size is fixed (the model
+    was traced with fixed sizes), a tuple: the dims whose sizes the code computes with (folded).
     """
     if not isinstance(value, torch.Tensor):
         raise TypeError(
@@ -34,21 +35,29 @@ def input_sizes(
         )
     for d, (got, want) in enumerate(zip(shape, expected)):
         if want is not None and got != want:
-            if static:
-                how = (
-                    "the code was generated with constant_folding=True, which fixes every input size; "
-                    "pass inputs of the traced shape or parallelize with constant_folding=False"
-                )
-            else:
-                how = (
-                    "this dim was fixed when tracing (the model needs it fixed: it meets a weight's size, "
-                    "or the model branches on it); pass inputs of that size or trace with this one"
-                )
             raise ValueError(
                 f"{owner}.forward: {name} has shape {list(shape)}, but dim {d} must be {want} "
-                f"(generated for {_shown(expected)}): {how}"
+                f"(generated for {_shown(expected)}): {_why_fixed(static, d)}"
             )
     return shape
+
+
+def _why_fixed(static: bool | Sequence[int], dim: int) -> str:
+    if static is True:
+        return (
+            "the code was generated with constant_folding=True and the model traced with every input size "
+            "fixed; pass inputs of the traced shape or parallelize with constant_folding=False"
+        )
+    if static and dim in static:
+        return (
+            "the code was generated with constant_folding=True, which writes the sizes the model computes "
+            "with (view shapes, arange ends, split sizes) as constants; pass inputs of this size or "
+            "parallelize with constant_folding=False"
+        )
+    return (
+        "this dim was fixed when tracing (the model needs it fixed: it meets a weight's size, "
+        "or the model branches on it); pass inputs of that size or trace with this one"
+    )
 
 
 def check_shape(owner: str, holds: bool, rule: str, why: str, inputs: dict[str, Any]) -> None:
