@@ -16,8 +16,8 @@ from tests.zoo_families import FAMILIES
 
 PIPELINE = {"use_end2end": True, "pas_config": {"pipeline_nmicros": 2}}
 CONFIG = {"mamba2": {"constant_folding": True}}
-"""Per-family ComputeConfig fields. Mamba2's chunked scan takes torch.export 20 s with open sizes
-(1.7 s with the sizes fixed): CI compiles it for the dummy's shapes only."""
+"""Per-family ComputeConfig fields: mamba2 also checks constant_folding (its chunked scan's sizes are
+written as numbers; the trace itself takes about 20 s with open sizes either way)."""
 
 
 def _cases(family: str) -> list[ParityCase]:

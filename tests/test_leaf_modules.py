@@ -253,7 +253,7 @@ def test_qwen2_vl_vision_tower_is_found_and_compiles(tmp_path):
     reference = copy.deepcopy(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg = ComputeConfig(1, 1, constant_folding=True)  # sizes fixed: each of the three traces is quicker
+        cfg = ComputeConfig(1, 1, constant_folding=True)  # the leaf module's sizes are written as numbers
         pm = nnscaler.parallelize(model, make_batch(0, 2), "dp", cfg, gen_savedir=tmp_path)
     leaves = [str(w.message) for w in caught if issubclass(w.category, LeafModuleWarning)]
     assert len(leaves) == 1 and leaves[0].startswith(
