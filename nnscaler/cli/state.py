@@ -54,7 +54,7 @@ class SkippingSampler(torch.utils.data.Sampler):
 def rng_states() -> dict[str, Any]:
     """Every random generator a training step draws from: torch (CPU, CUDA), numpy, random, and the
     runtime's per-shard generators of tensor-parallel dropout."""
-    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
+    states = {"torch": torch.get_rng_state(), "numpy": _numpy_state(), "random": random.getstate()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
     states["shard"] = _shard_rng.shard_rng_states()
@@ -63,8 +63,30 @@ def rng_states() -> dict[str, Any]:
 
 def set_rng_states(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
-    np.random.set_state(states["numpy"])
+    np.random.set_state(_numpy_state_tuple(states["numpy"]))
     random.setstate(states["random"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
     _shard_rng.set_shard_rng_states(states.get("shard", {}))
+
+
+def _numpy_state() -> dict[str, Any]:
+    """numpy's global generator state as tensors and numbers, so that a checkpoint holding it loads
+    with `torch.load(..., weights_only=True)` (torch's default; a numpy array would be refused)."""
+    key, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "key": str(key),
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
+
+
+def _numpy_state_tuple(state: Any) -> tuple:
+    """The tuple `np.random.set_state` takes, from `_numpy_state()`'s dict or (older checkpoints)
+    numpy's own tuple."""
+    if not isinstance(state, dict):
+        return state
+    keys = state["keys"].numpy().astype(np.uint32)
+    return (state["key"], keys, state["pos"], state["has_gauss"], state["cached_gaussian"])
