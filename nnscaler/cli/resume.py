@@ -85,7 +85,8 @@ def save(trainer: SavingTrainer, epoch: int) -> Path | None:
     name = f"{epoch:04d}-{status['step']:04d}"
     val = trainer.last_val_loss
     loss = val if val is not None else (trainer.losses[-1] if trainer.losses else None)
-    is_best = loss is not None and loss < status["best_loss"]
+    # a tie moves `best` to the newer step, as nnScaler 0.8 does (bf16 losses tie often)
+    is_best = loss is not None and loss <= status["best_loss"]
     if is_best:
         status["best_loss"] = loss
     common = _common(trainer)

@@ -145,6 +145,15 @@ def test_keep_last_n_and_best(tmp_path):
     )  # the loss keeps falling
 
 
+def test_a_tied_loss_moves_best_to_the_newer_step(tmp_path):
+    # lr 0 and one batch per epoch: every step's loss is the same; as in nnScaler 0.8, `best` follows ties
+    overrides = {"checkpoint.every_n_train_steps": 1, "optimizer.args.lr": 0.0, "dataset.train_args.size": 4}
+    t = Trainer(gpt_args(tmp_path, "dp", 1, 1, max_train_steps=3, lr_scheduler=None, **overrides))
+    t.run()
+    assert len(set(t.losses)) == 1 and len(t.losses) == 3
+    assert os.readlink(tmp_path / "ckpt" / "best" / "0.ckpt") == "../0002-0003/0.ckpt"
+
+
 def test_a_fresh_run_moves_earlier_checkpoints_aside(tmp_path):
     Trainer(gpt_args(tmp_path, "dp", 1, 1, max_train_steps=2)).run()
     save_dir = tmp_path / "ckpt"
