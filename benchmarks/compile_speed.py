@@ -11,11 +11,13 @@ wall-clock time mostly measures the other jobs).
 
 Why the ratio is what it is: after timing, one more eager step runs under torch.profiler and
 `eager_gemm_share` is the part of its CPU time spent in matrix multiplications (aten mm / addmm /
-bmm; for tiny models the profiler's per-op overhead inflates the rest).
+bmm; for tiny models the profiler's per-op overhead inflates the rest), and
+`eager_gemm_and_attention_share` adds the CPU fused-attention kernels (forward and backward).
 On a CPU, inductor compiles a training step's GEMMs to calls of the same ATen (MKL / oneDNN) kernels
 as eager mode (its C++ GEMM template is used only for constant weights, i.e. frozen inference), so it
-can speed up only the rest: fused elementwise, norms, softmax / loss. The compiled / eager ratio
-cannot go much below `eager_gemm_share` there. `phases_cpu_s` splits a step's CPU time into
+can speed up only the rest: fused elementwise, norms, softmax / loss; scaled_dot_product_attention
+also stays the same ATen kernel. The compiled / eager ratio cannot go below
+`eager_gemm_and_attention_share` there. `phases_cpu_s` splits a step's CPU time into
 forward, backward and optimizer (the optimizer is not compiled in either arm).
 
 The model runs on `--threads` torch threads (default 1 on CPU, so that runs compare; printed).
@@ -92,6 +94,11 @@ def compile_value(args: argparse.Namespace) -> dict[str, Any]:
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 """The matrix multiplications a GPT's linear layers and their gradients run as."""
+ATTENTION_OPS = (
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+)
+"""CPU fused attention: inductor calls the same ATen kernel (forward and backward) in both arms."""
 
 
 def stepper(module: torch.nn.Module, opt: torch.optim.Optimizer, data: dict, sync: Callable[[], None]):
@@ -116,16 +123,18 @@ def stepper(module: torch.nn.Module, opt: torch.optim.Optimizer, data: dict, syn
     return step
 
 
-def gemm_share(step: Callable[[], None]) -> float:
-    """The part of one step's profiled CPU time spent in GEMM kernels (see the module docstring)."""
+def kernel_shares(step: Callable[[], None]) -> dict[str, float]:
+    """The parts of one step's profiled CPU time spent in GEMM kernels and in GEMM + attention
+    kernels, the ATen calls a compiled CPU step makes alike (see the module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
     gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS)
-    return round(gemm / total, 3) if total else 0.0
+    attention = sum(e.self_cpu_time_total for e in events if e.key in ATTENTION_OPS)
+    return {"gemm": round(gemm / total, 3), "gemm_and_attention": round((gemm + attention) / total, 3)}
 
 
 def median_phases(phases: list[tuple[float, float, float]]) -> dict[str, float]:
@@ -170,7 +179,7 @@ def main() -> None:
     times = time_alternating(systems, args.warmup, args.steps, args.rounds, barrier=sync)
     untimed = {k: n + args.warmup for k, n in untimed.items()}  # compile / first step and warm-up
     phases = {k: median_phases(s.phases[untimed[k] :]) for k, s in systems.items()}
-    share = None if cuda else gemm_share(systems["eager"])  # host-side times say nothing of GPU kernels
+    shares = None if cuda else kernel_shares(systems["eager"])  # host-side times say nothing of GPU kernels
     first = {k: s.losses[0] for k, s in systems.items()}
     tol = 1e-4 if dtype == torch.float32 else 2e-2 * max(1.0, abs(first["eager"]))
     out = {
@@ -187,7 +196,9 @@ def main() -> None:
         **summarize(times, "compiled", "eager"),
         "target": TARGET,
         "phases_cpu_s": phases,
-        "eager_gemm_share": share,
+        "eager_gemm_share": shares and shares["gemm"],
+        # a floor for `ratio` on a CPU: what it would be if compiling made everything else free
+        "eager_gemm_and_attention_share": shares and shares["gemm_and_attention"],
         "first_loss": {k: round(v, 5) for k, v in first.items()},
         "first_loss_equal": abs(first["compiled"] - first["eager"]) < tol,
         "machine": load_note(),
