@@ -116,17 +116,19 @@ class _Writer:
         ins = list(
             dict.fromkeys(n for s in block for n in reads_of(s) if n not in defined and n not in params)
         )
-        extra = ["use_reentrant=False"]
+        extra, checkpoint = ["use_reentrant=False"], "ckpt.checkpoint"
         if any(is_random(s) for s in block):
             # the shard generator is not one torch.utils.checkpoint restores: replay it explicitly
+            # (rng.checkpoint: the same call, left eager by torch.compile, which takes no context_fn)
             extra.append("context_fn=rng.recompute_contexts(tp, self.device)")
+            checkpoint = "rng.checkpoint"
         ret = ", ".join(fmt.local(o) for o in outs)
         fn, label = self.style.region_name(region)
         note = [comment_text(f"recomputed in backward (pas_config recompute_modules): {label}")]
         if len(block) == 1 and isinstance(block[0], LayerCall):  # a whole layer: checkpoint its function
             call = block[0]
             self._section(call)
-            code = f"{call.lhs(fmt)} = ckpt.checkpoint({', '.join([*call.call_args(fmt), *extra])})"
+            code = f"{call.lhs(fmt)} = {checkpoint}({', '.join([*call.call_args(fmt), *extra])})"
             self.body.sections[-1].lines.append(plain_line(code, 0, note))
             return
         names = [fmt(Ref(n)) for n in ins]
@@ -138,7 +140,7 @@ class _Writer:
             self.line(s, 1)
         lines = self.body.sections[-1].lines
         lines.append(plain_line(f"return {ret}", 1))
-        lines.append(plain_line(f"{ret} = ckpt.checkpoint({', '.join([fn, *names, *extra])})"))
+        lines.append(plain_line(f"{ret} = {checkpoint}({', '.join([fn, *names, *extra])})"))
 
 
 def write_body(stmts: Sequence, keep: Iterable[str], recompute: tuple[str, ...], style: BodyStyle) -> Body:

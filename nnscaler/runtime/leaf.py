@@ -72,8 +72,11 @@ def _state(owner: torch.nn.Module, path: str, module: torch.nn.Module) -> dict[s
     return state
 
 
+@torch.compiler.disable(reason="an opaque leaf module runs eagerly: its code could not be traced")
 def call(owner: torch.nn.Module, path: str, /, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-    """Run leaf module `path` of `owner` on (args, kwargs); the tensors of its output, flattened."""
+    """Run leaf module `path` of `owner` on (args, kwargs); the tensors of its output, flattened.
+    Eager under `ComputeConfig.torch_compile` too (one graph break per call): the leaf is one because
+    its code is data-dependent, which dynamo would split and recompile for every new value."""
     modules = getattr(owner, _ATTR, None)
     if not modules or path not in modules:
         raise RuntimeError(

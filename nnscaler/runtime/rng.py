@@ -11,8 +11,10 @@ generator per (device, group rank), seeded from torch.initial_seed() and the ran
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
+import torch.utils.checkpoint
 
 from nnscaler.runtime.comm import Group, rank_in_group
 
@@ -21,6 +23,7 @@ __all__ = [
     "shard_generator",
     "shard_rng",
     "recompute_contexts",
+    "checkpoint",
     "shard_rng_states",
     "set_shard_rng_states",
 ]
@@ -94,23 +97,37 @@ def recompute_contexts(group: Group, device: torch.device):
 
     torch.utils.checkpoint restores the default generators only; this records the shard
     generator's state when the region's forward starts and sets it back for the recomputation.
+    (A partial of a module-level function, not a closure: torch.compile can pass it on to
+    `checkpoint` below, which runs eagerly.)
     """
+    return functools.partial(_replaying_contexts, group, device)
 
-    def context_fn():
-        if group is None or torch.distributed.get_world_size(group) == 1:
-            return contextlib.nullcontext(), contextlib.nullcontext()
-        gen = shard_generator(torch.device(device), group)
-        at_forward = gen.get_state()
 
-        @contextlib.contextmanager
-        def replay():
-            current = gen.get_state()
-            gen.set_state(at_forward)
-            try:
-                yield
-            finally:
-                gen.set_state(current)
+def _replaying_contexts(group: Group, device: torch.device):
+    if group is None or torch.distributed.get_world_size(group) == 1:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    gen = shard_generator(torch.device(device), group)
+    at_forward = gen.get_state()
 
-        return contextlib.nullcontext(), replay()
+    @contextlib.contextmanager
+    def replay():
+        current = gen.get_state()
+        gen.set_state(at_forward)
+        try:
+            yield
+        finally:
+            gen.set_state(current)
 
-    return context_fn
+    return contextlib.nullcontext(), replay()
+
+
+@torch.compiler.disable(
+    reason="a recompute region drawing shard random numbers replays the shard generator through "
+    "checkpoint's context_fn, which torch.compile's checkpoint does not support"
+)
+def checkpoint(function, *args, **kwargs):
+    """`torch.utils.checkpoint.checkpoint` for the recompute regions that draw shard random numbers
+    (generated code passes `context_fn=recompute_contexts(...)`). Under `ComputeConfig.torch_compile`
+    the region runs eagerly (a graph break around it): dynamo's checkpoint takes no custom context_fn
+    (it fails on one), and a traced region would not replay the shard generator."""
+    return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)

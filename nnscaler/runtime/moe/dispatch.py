@@ -80,6 +80,9 @@ def _by_expert(recv_counts: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
 
 
+@torch.compiler.disable(
+    reason="expert-parallel dispatch: its all-to-all split sizes are read from the routing on the host"
+)
 def expert_parallel_experts(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -92,7 +95,9 @@ def expert_parallel_experts(
     group: Any,
 ) -> torch.Tensor:
     """`torch.ops.nnscaler.moe_experts` with this rank's tokens and its E / ep experts (contiguous:
-    rank r holds experts [r * E/ep, (r + 1) * E/ep)), over the expert-parallel `group`."""
+    rank r holds experts [r * E/ep, (r + 1) * E/ep)), over the expert-parallel `group`. Under
+    `ComputeConfig.torch_compile` it runs eagerly, one graph break per call: its shapes depend on the
+    routing (bincount, `.tolist()`), which dynamo would otherwise split into many small graphs."""
     record_routing(top_k_index)
     ep = dist.get_world_size(group)
     local = gate_up_proj.shape[0]
