@@ -177,8 +177,9 @@ def check_before_start(cfg: CheckpointConfig, rank: int = 0, compile_only: bool 
     if path is not None:
         ck.resolve_checkpoint(path)
     elif not cfg.no_save and not compile_only:
-        if rank == 0:
-            ck.archive_earlier_run(Path(cfg.save_dir))
+        moved = ck.archive_earlier_run(Path(cfg.save_dir)) if rank == 0 else None
+        if moved is not None:
+            say(rank, f"this run starts afresh: the earlier run's checkpoints moved to {moved}")
         ck.barrier()
 
 

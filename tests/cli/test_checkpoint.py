@@ -154,12 +154,16 @@ def test_a_tied_loss_moves_best_to_the_newer_step(tmp_path):
     assert os.readlink(tmp_path / "ckpt" / "best" / "0.ckpt") == "../0002-0003/0.ckpt"
 
 
-def test_a_fresh_run_moves_earlier_checkpoints_aside(tmp_path):
+def test_a_fresh_run_moves_earlier_checkpoints_aside(tmp_path, capsys):
     Trainer(gpt_args(tmp_path, "dp", 1, 1, max_train_steps=2)).run()
     save_dir = tmp_path / "ckpt"
     before = {p.relative_to(save_dir): p.read_bytes() for p in save_dir.rglob("*.ckpt")}
+    capsys.readouterr()
     Trainer(gpt_args(tmp_path, "dp", 1, 1, max_train_steps=2)).run()  # afresh: no longer refused
     (archived,) = (save_dir / "earlier_runs").iterdir()
+    assert f"nnscaler-train: this run starts afresh: the earlier run's checkpoints moved to {archived}" in (
+        capsys.readouterr().out
+    )
     assert {p.relative_to(archived): p.read_bytes() for p in archived.rglob("*.ckpt")} == before
     assert os.readlink(save_dir / "last" / "0.ckpt") == "../0000-0002/0.ckpt"
 
