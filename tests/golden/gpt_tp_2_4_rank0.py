@@ -20,6 +20,10 @@ class _LayerParams:
         self._module, self._prefix = module, prefix
 
     def __getattr__(self, name):
+        # dunders and our own fields are never weights: torch.compile builds this object without
+        # __init__ and asks it for __torch_function__ (a checkpoint region's argument)
+        if name.startswith("__") or name in ("_module", "_prefix"):
+            raise AttributeError(name)
         return getattr(self._module, self._prefix + name)
 
 
