@@ -6,6 +6,7 @@ import functools
 
 from nnscaler.codegen.constants_code import constants_attrs, pipeline_constant_users
 from nnscaler.codegen.expr import Formatter
+from nnscaler.codegen.grad_groups_code import all_grad_groups, grad_group_lines
 from nnscaler.codegen.inputs_code import unpack_inputs
 from nnscaler.codegen.layer_functions import LayerFunction, LayerFunctions, StatementList
 from nnscaler.codegen.pipeline_layout import PipelineLayout
@@ -117,6 +118,8 @@ def _pipeline_init_call(
         ]
     stage_groups = sorted({tuple(layout.tp_group(r)) for r in range(cfg.runtime_ngpus)})
     all_groups += cp_subgroups([st.program for st in pprog.stages], mesh, [list(g) for g in stage_groups])
+    runs = lambda s: [r for r in range(cfg.runtime_ngpus) if layout.position(r)[1] == s % layout.pp_size]  # noqa: E731
+    all_groups += all_grad_groups([(st.program, runs(st.index)) for st in pprog.stages], cfg, layout.tp_group)
     init_call = (
         f"super().__init__(rank={rank}, world_size={cfg.runtime_ngpus}, plan_ngpus={cfg.plan_ngpus}, "
         f"groups={groups}, all_groups={all_groups})"
@@ -220,6 +223,7 @@ def build_pipeline_view(
         uses_checkpoint,
         class_attrs=_pipeline_attrs(pprog, layout, rank),
         tied=tied_lines,
+        grad_groups=grad_group_lines([pprog.stages[s].program for s in mine], cfg, layout.tp_group, rank),
         stages=stages,
         train_step=pipeline_train_lines(*args),
         infer_step=pipeline_infer_lines(*args),

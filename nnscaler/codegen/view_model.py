@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from nnscaler.codegen.constants_code import constants_attrs, spmd_constant_users
 from nnscaler.codegen.expr import Formatter
+from nnscaler.codegen.grad_groups_code import all_grad_groups, grad_group_lines
 from nnscaler.codegen.inputs_code import unpack_inputs
 from nnscaler.codegen.layer_functions import LayerFunction, LayerFunctions, StatementList
 from nnscaler.codegen.lines import CodeLine, Section, ShardLine
@@ -76,6 +77,8 @@ class ModuleView:
     """Extra class attribute lines (end-to-end mode and pipelines)."""
     tied: list[str] = field(default_factory=list)
     """`add_tied` lines: weights whose gradients are summed across pipeline stages."""
+    grad_groups: list[str] = field(default_factory=list)
+    """`reduce_grad_over` lines: weights the reducer sums over plan axes too (grad_groups_code)."""
     stages: list[StageView] = field(default_factory=list)
     """Pipeline stage methods (then `forward` only explains how to call the module)."""
     input_names: list[str] = field(default_factory=list)
@@ -172,6 +175,7 @@ def _init_call(program: Program, cfg: ComputeConfig, rank: int) -> str:
             for g in axis
         ]
     all_groups += cp_subgroups([program], program.mesh, cfg.dims.plan_groups())
+    all_groups += all_grad_groups([(program, range(cfg.runtime_ngpus))], cfg, cfg.dims.plan_group)
     return (
         f"super().__init__(rank={rank}, world_size={cfg.runtime_ngpus}, plan_ngpus={cfg.plan_ngpus}, "
         f"groups={json.dumps(groups)}, all_groups={all_groups})"
@@ -249,6 +253,7 @@ def build_module_view(
     )
     view.uses_math = uses_math([(s.args, s.kwargs) for s in program.statements])
     view.mesh_groups = [f"tp_axis{k}" for k in range(len(program.mesh))]
+    view.grad_groups = grad_group_lines([program], cfg, cfg.dims.plan_group, rank)
     if cfg.use_end2end:
         view.class_attrs = end2end_attrs(program.forward_args, 1, rank)
         view.train_step, view.infer_step = plain_train_lines(), plain_infer_lines()

@@ -58,6 +58,15 @@ def plan_fingerprint(graph_json: bytes, plan_json: str, cfg: ComputeConfig) -> s
     return hashlib.sha256(graph_json + plan_json.encode() + devices).hexdigest()[:32]
 
 
+def _folds_weight_grads(cfg: ComputeConfig) -> bool:
+    """Whether weights replicated where their readers split the batch are summed by the reducer (in its
+    buckets, over the plan axis x the replicas; ZeRO 1 / 2 shards them over that group) instead of a
+    `copy_to_group` each. Not under ZeRO 3, zero_ngroups > 1 or robust aggregation, nor without replicas."""
+    zero = cfg.use_zero and (getattr(cfg, "zero_stage", 1) == 3 or cfg.zero_ngroups > 1)
+    plain = not (zero or cfg.inference_only) and cfg.grad_aggregation == "mean"
+    return plain and cfg.runtime_ngpus > cfg.plan_ngpus
+
+
 def compile_module(
     module: torch.nn.Module,
     dummy_forward_args: dict,
@@ -111,7 +120,8 @@ def compile_module(
         write_atomic(outdir / "plan_report.md", plan_report_text(graph, plan, cfg))
     seconds["plan"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    program = apply_pipeline(graph, plan) if plan.pipeline else apply_plan(graph, plan)
+    partition = apply_pipeline if plan.pipeline else apply_plan
+    program = partition(graph, plan, fold_weight_grads=_folds_weight_grads(cfg))
     seconds["partition"] = time.perf_counter() - t0
     unsplit = _unsplit(graph, plan, program)
     t0 = time.perf_counter()

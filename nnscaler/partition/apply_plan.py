@@ -32,6 +32,7 @@ from nnscaler.partition.convert import GROUP, AxisGroup, conversion_steps
 from nnscaler.partition.expert_parallel import expert_parallel_statement
 from nnscaler.partition.local_ops import group_of, localise_dim, vocab_parallel_statement
 from nnscaler.partition.program import LocalTensor, Program, Statement
+from nnscaler.partition.weight_grads import fold_weight_syncs
 from nnscaler.policies.plan import Plan
 
 __all__ = ["apply_plan", "local_shape"]
@@ -69,12 +70,16 @@ def _storable(layout: Layout, mesh: tuple[int, ...]) -> Layout:
 
 
 class _Partitioner:
-    def __init__(self, graph: Graph, plan: Plan, forced_layouts: dict[str, Layout] | None = None):
+    def __init__(
+        self, graph: Graph, plan: Plan, forced: dict[str, Layout] | None, fold: bool, keep=frozenset()
+    ):
         self.graph, self.plan, self.ways = graph, plan, plan.plan_ngpus
+        self.fold_weight_grads, self.keep_f = fold, keep  # see apply_plan
+        self.weight_reads: dict[str, set[tuple | None]] = {}  # see weight_grads.fold_weight_syncs
         self.mesh: tuple[int, ...] = plan.mesh or (self.ways,)
         if math.prod(self.mesh) != self.ways:
             raise PartitionError(f"plan mesh {plan.mesh} does not have {self.ways} devices")
-        self.forced = _check_forced(graph, forced_layouts or {}, self.ways)
+        self.forced = _check_forced(graph, forced or {}, self.ways)
         self.program = Program(
             ways=self.ways, mesh=plan.mesh, forward_args=list(graph.forward_args), out_spec=graph.out_spec
         )
@@ -157,6 +162,8 @@ class _Partitioner:
                     self.graph_meta_alias(out, name, layout)
                     cur = out
                 self.cache[key] = cur
+        if self._needs_grad(name) and self.graph.values[name].kind == "param" and name not in self.keep_f:
+            self.weight_reads.setdefault(name, set()).add(tuple(sync) if cur == name else None)
         for group in sync if self._needs_grad(name) else ():
             fkey = (cur, "f", group)
             if fkey not in self.cache:
@@ -261,6 +268,8 @@ class _Partitioner:
         for ref in (r for r in iter_refs(self.graph.outputs)):
             out_refs[ref.name] = self._convert(ref.name, Replicate(), None)
         self.program.outputs = map_refs(self.graph.outputs, lambda r: Ref(out_refs[r.name]))
+        if self.fold_weight_grads:
+            fold_weight_syncs(self.program, self.weight_reads, self.layouts)
         self.program.layouts = dict(self.layouts)
         self.program.module_classes = dict(self.graph.module_classes)
         return self.program
@@ -471,9 +480,20 @@ def _check_forced(graph: Graph, forced: dict[str, Layout], ways: int) -> dict[st
     return dict(forced)
 
 
-def apply_plan(graph: Graph, plan: Plan, forced_layouts: dict[str, Layout] | None = None) -> Program:
+def apply_plan(
+    graph: Graph,
+    plan: Plan,
+    forced_layouts: dict[str, Layout] | None = None,
+    *,
+    fold_weight_grads: bool = False,
+    keep: frozenset[str] = frozenset(),
+) -> Program:
     """The SPMD program one plan replica runs; rank-specific constants stay symbolic (RankScaled).
 
     forced_layouts: parameter / buffer name -> the layout to store it in, whatever its consumers need
-    (they get converted copies); pipeline stages sharing a tied weight use it to store it alike."""
-    return _Partitioner(graph, plan, forced_layouts).run()
+    (they get converted copies); pipeline stages sharing a tied weight use it to store it alike.
+    fold_weight_grads: a weight held whole along plan axes where its readers are split (on data dims)
+    gets no `copy_to_group`; `Program.grad_groups` names those axes and the gradient reducer sums its
+    gradient over them with the data-parallel replicas (bucketed, overlapped with backward); not the
+    weights named in `keep`."""
+    return _Partitioner(graph, plan, forced_layouts, fold_weight_grads, keep).run()

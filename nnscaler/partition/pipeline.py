@@ -61,8 +61,10 @@ def _shell(graph: Graph) -> Program:
     )
 
 
-def apply_pipeline(graph: Graph, plan: Plan) -> PipelineProgram:
-    """Cut the graph at the plan's stage starts and partition each stage over its tp_size devices."""
+def apply_pipeline(graph: Graph, plan: Plan, *, fold_weight_grads: bool = False) -> PipelineProgram:
+    """Cut the graph at the plan's stage starts and partition each stage over its tp_size devices.
+    `fold_weight_grads`: see apply_plan; never for a weight several stages hold (tied: its gradient is
+    summed over the stages, each stage's share already summed over its own axes)."""
     pipe = plan.pipeline
     if pipe is None:
         raise PartitionError("apply_pipeline needs a plan with pipeline stages")
@@ -78,12 +80,17 @@ def apply_pipeline(graph: Graph, plan: Plan) -> PipelineProgram:
         )
         for piece in pieces
     ]
-    programs = [apply_plan(piece.graph, p) for piece, p in zip(pieces, stage_plans)]
+    holders: dict[str, int] = {}
+    for piece in pieces:
+        for name in piece.params:
+            holders[name] = holders.get(name, 0) + 1
+    fold = {"fold_weight_grads": fold_weight_grads, "keep": frozenset(n for n, k in holders.items() if k > 1)}
+    programs = [apply_plan(piece.graph, p, **fold) for piece, p in zip(pieces, stage_plans)]
     stored = shared_layouts([p.tensors for p in programs])
     for i, (piece, program) in enumerate(zip(pieces, programs)):
         forced = {t.name: stored[t.name] for t in program.tensors if t.name in stored}
         if any(program.layouts[name] != layout for name, layout in forced.items()):
-            programs[i] = apply_plan(piece.graph, stage_plans[i], forced)
+            programs[i] = apply_plan(piece.graph, stage_plans[i], forced, **fold)
     stages = []
     param_stages: dict[str, list[int]] = {}
     for piece, program in zip(pieces, programs):

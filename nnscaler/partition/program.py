@@ -89,6 +89,10 @@ class Program:
     static_shapes: bool = False
     constant_names: list[str] = field(default_factory=list)
     """Buffers holding tensors the forward creates from literals (values in constants.pt)."""
+    grad_groups: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    """Weights held whole along plan axes over which every reader is split (on data dims): name -> those
+    groups (GROUP or AxisGroup). Their gradients are partial sums there; the gradient reducer sums them
+    over these axes together with the data-parallel replicas (no `copy_to_group` in the forward)."""
 
     def comm_count(self) -> dict[str, int]:
         """Number of each communication call in the forward (for tests and explanations)."""

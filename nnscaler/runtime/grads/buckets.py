@@ -22,7 +22,7 @@ view of the bucket and `.grad` is None, so only an optimizer that reads `.main_g
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -30,7 +30,16 @@ import torch.distributed as dist
 
 from nnscaler.runtime.comm import _all_gather_single, _reduce_scatter_single
 
-__all__ = ["Bucket", "EMPTY", "LOCAL", "EXPOSED", "pack_buckets", "make_buckets", "DEFAULT_BUCKET_CAP_MB"]
+__all__ = [
+    "Bucket",
+    "EMPTY",
+    "LOCAL",
+    "EXPOSED",
+    "pack_buckets",
+    "make_buckets",
+    "flat_buckets",
+    "DEFAULT_BUCKET_CAP_MB",
+]
 
 T = TypeVar("T")
 
@@ -58,13 +67,23 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 """Bucket size when `ComputeConfig.reducer_bucket_cap_mb` is None (torch DDP's default)."""
 
 
-def make_buckets(params: Sequence[torch.Tensor], cap_mb: float | None) -> list[list[torch.Tensor]]:
+def make_buckets(
+    params: Sequence[torch.Tensor], cap_mb: float | None, groups: Mapping[int, Any] | None = None
+) -> list[list[torch.Tensor]]:
     """Split `params` (in order) into buckets of one dtype and device, each at most `cap_mb` MB.
 
     A parameter larger than the cap gets a bucket of its own; `cap_mb == 0` gives one bucket per tensor.
+    `groups` (id of a parameter -> the group its gradient is reduced over, when not the reducer's): a
+    bucket holds parameters of one group only.
     """
     cap = int((DEFAULT_BUCKET_CAP_MB if cap_mb is None else cap_mb) * 1024 * 1024)
-    return pack_buckets(params, lambda p: (p.dtype, p.device), lambda p: p.numel() * p.element_size(), cap)
+    where = groups or {}
+    return pack_buckets(
+        params,
+        lambda p: (p.dtype, p.device, id(where.get(id(p)))),
+        lambda p: p.numel() * p.element_size(),
+        cap,
+    )
 
 
 EMPTY, LOCAL, EXPOSED = 0, 1, 2
@@ -137,6 +156,9 @@ class Bucket:
         """New local gradients arrived since the last launch."""
         self.prepared = False
         """`prepare` ran since the last launch: the bucket holds this rank's divided contribution."""
+        self.group: dist.ProcessGroup | None = None
+        """Set: reduce with one all-reduce over this group instead of the reducer's (weights held whole
+        along plan axes where their readers split the batch: their ranks on those axes with every replica)."""
 
     # ---- layout -----------------------------------------------------------------------------------------
 
@@ -421,3 +443,45 @@ class Bucket:
             "grad_slices": nbytes(self.shard_grads, self._scatter_out),
             "params": nbytes(self.data),
         }
+
+
+def flat_buckets(
+    groups: list[list[torch.nn.Parameter]],
+    shards: Sequence[tuple[int, int]],
+    grad_dtype: torch.dtype | None,
+    divisor: int,
+    *,
+    zero: bool,
+    transient: bool,
+) -> list[Bucket]:
+    """One Bucket per parameter group, each a slice of one flat gradient (and, under `zero`, data)
+    buffer per (dtype, device), padded to a multiple of its number of shards (`shards`: per group, its
+    number of shards and this rank's index); `transient` (ZeRO stage 2): no gradient buffer, each bucket
+    allocates its own while reducing."""
+    sizes = [-(-sum(p.numel() for p in b) // n) * n for b, (n, _) in zip(groups, shards)]
+    totals: dict[tuple[torch.dtype, torch.device], int] = {}
+    for b, size in zip(groups, sizes):
+        totals[(b[0].dtype, b[0].device)] = totals.get((b[0].dtype, b[0].device), 0) + size
+
+    def wide(dtype: torch.dtype) -> torch.dtype:
+        if grad_dtype is None or torch.finfo(dtype).bits >= torch.finfo(grad_dtype).bits:
+            return dtype
+        return grad_dtype
+
+    def flat(grad: bool) -> dict[tuple[torch.dtype, torch.device], torch.Tensor]:
+        return {k: torch.zeros(n, dtype=wide(k[0]) if grad else k[0], device=k[1]) for k, n in totals.items()}
+
+    grads = flat(grad=True) if not transient else {}
+    data = flat(grad=False) if zero else {}
+    used = dict.fromkeys(totals, 0)
+    buckets: list[Bucket] = []
+    for b, size, (nshards, index) in zip(groups, sizes, shards):
+        key = (b[0].dtype, b[0].device)
+        o, used[key] = used[key], used[key] + size
+        g = grads[key][o : o + size] if grads else None
+        d = data[key][o : o + size] if data else None
+        bucket = Bucket(b, size, g, d, index, nshards, divisor, grad_dtype=wide(key[0]))
+        if zero:
+            bucket.adopt_data()
+        buckets.append(bucket)
+    return buckets

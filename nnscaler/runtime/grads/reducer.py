@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nnscaler.runtime.grads.aggregation import RobustAggregation, build_aggregation
-from nnscaler.runtime.grads.buckets import DEFAULT_BUCKET_CAP_MB, Bucket, make_buckets
+from nnscaler.runtime.grads.buckets import DEFAULT_BUCKET_CAP_MB, Bucket, flat_buckets, make_buckets
 from nnscaler.runtime.grads.fault_inject import FaultInjector, from_env
 from nnscaler.runtime.grads.grad_ops import (  # re-exported: their historical home
     average_gradients,
@@ -61,6 +61,12 @@ class Reducer(ReducerHooksMixin):
     `stage` 2 also shards the gradients: reduce-scatter as soon as a bucket is full, and only the
     owned slice is kept (the full bucket is freed once reduced).
 
+    `groups` (id of a parameter -> a group): parameters whose gradients are also partial sums over plan
+    axes (weights held whole where their readers split the batch) get buckets of their own, each reduced
+    with one collective over those axes' ranks of every replica (same divisor: the sum over the axes, then
+    the replicas' mean); under ZeRO these buckets are sharded over that group. Not with robust aggregation
+    or several ZeRO groups (the partition keeps `copy_to_group` for their weights then).
+
     `deferred` parameters (weights tied across pipeline stages, whose gradients are summed over the
     stages at the end of the step) get buckets of their own, after the others, without hooks: their
     `.grad` stays put through backward and they are reduced in `sync` only, after that sum.
@@ -100,6 +106,7 @@ class Reducer(ReducerHooksMixin):
         hierarchy: Hierarchy | None = None,
         robust: RobustAggregation | None = None,
         fault: FaultInjector | None = None,
+        groups: dict[int, dist.ProcessGroup] | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(
@@ -119,11 +126,22 @@ class Reducer(ReducerHooksMixin):
         nshards = dist.get_world_size(split) if split is not None else 1
         index = dist.get_rank(split) if split is not None else 0
         late = {id(p) for p in deferred}
-        groups = make_buckets([p for p in self.params[::-1] if id(p) not in late], bucket_cap_mb)
-        nhooked = len(groups)
-        groups += make_buckets([p for p in self.params[::-1] if id(p) in late], bucket_cap_mb)
+        extra = groups or {}
+        if extra and (robust is not None or cross_group is not None):
+            raise ValueError(
+                "gradients summed over plan axes (Reducer groups) are not reduced under robust aggregation or "
+                "zero_ngroups > 1: generate the module again with this ComputeConfig (it keeps copy_to_group)"
+            )
+        parts = make_buckets([p for p in self.params[::-1] if id(p) not in late], bucket_cap_mb, extra)
+        nhooked = len(parts)
+        parts += make_buckets([p for p in self.params[::-1] if id(p) in late], bucket_cap_mb, extra)
         self.robust, self.fault = robust, fault
-        self.buckets: list[Bucket] = self._flat_buckets(groups, nshards, index, grad_dtype)
+        shards = [self._shards(extra.get(id(b[0])), nshards, index) for b in parts]
+        self.buckets: list[Bucket] = flat_buckets(
+            parts, shards, grad_dtype, self.grad_divisor, zero=self.zero, transient=self.stage >= 2
+        )
+        for bucket in self.buckets:
+            bucket.group = extra.get(id(bucket.params[0]))
         self.upcast = any(b.upcast for b in self.buckets)
         """Some gradients are kept wider than their parameters (in `.main_grad`, see buckets.py)."""
         if self.async_op:
@@ -139,53 +157,6 @@ class Reducer(ReducerHooksMixin):
                 o = bucket.offsets[i] + start
                 view = nn.Parameter(bucket.data[o : o + end - start], requires_grad=True)
                 self.pieces.append(ZeroPiece(bucket.params[i], view, start, end, bucket, o))
-
-    def _flat_buckets(
-        self,
-        groups: list[list[torch.nn.Parameter]],
-        nshards: int,
-        index: int,
-        grad_dtype: torch.dtype | None,
-    ) -> list[Bucket]:
-        """One Bucket per parameter group, each a slice of one flat gradient (and, under ZeRO, data)
-        buffer per (dtype, device), padded to a multiple of `nshards`."""
-        sizes = [-(-sum(p.numel() for p in b) // nshards) * nshards for b in groups]
-        totals: dict[tuple[torch.dtype, torch.device], int] = {}
-        for b, size in zip(groups, sizes):
-            totals[(b[0].dtype, b[0].device)] = totals.get((b[0].dtype, b[0].device), 0) + size
-
-        def wide(dtype: torch.dtype) -> torch.dtype:
-            if grad_dtype is None or torch.finfo(dtype).bits >= torch.finfo(grad_dtype).bits:
-                return dtype
-            return grad_dtype
-
-        def flat(grad: bool) -> dict[tuple[torch.dtype, torch.device], torch.Tensor]:
-            return {
-                k: torch.zeros(n, dtype=wide(k[0]) if grad else k[0], device=k[1]) for k, n in totals.items()
-            }
-
-        grads = flat(grad=True) if self.stage < 2 else {}
-        data = flat(grad=False) if self.zero else {}
-        used = dict.fromkeys(totals, 0)
-        buckets: list[Bucket] = []
-        for b, size in zip(groups, sizes):
-            key = (b[0].dtype, b[0].device)
-            o, used[key] = used[key], used[key] + size
-            g = grads[key][o : o + size] if grads else None
-            bucket = Bucket(
-                b,
-                size,
-                g,
-                data[key][o : o + size] if data else None,
-                index,
-                nshards,
-                self.grad_divisor,
-                grad_dtype=wide(key[0]),
-            )
-            if self.zero:
-                bucket.adopt_data()
-            buckets.append(bucket)
-        return buckets
 
     def _init_state(
         self,
@@ -230,6 +201,13 @@ class Reducer(ReducerHooksMixin):
         self.round, self._fresh = 0, False
         """Aggregation rounds (syncs that reduced something) so far; whether one is under way."""
 
+    def _shards(self, group: dist.ProcessGroup | None, nshards: int, index: int) -> tuple[int, int]:
+        """(shards, this rank's index) of a bucket: under ZeRO a bucket of summed weights is sharded over
+        its whole group (the plan axes x the replicas), the others over the ZeRO group."""
+        if group is None or not self.zero:
+            return nshards, index
+        return dist.get_world_size(group), dist.get_rank(group)
+
     def set_grad_divisor(self, divisor: int) -> None:
         """Divide gradients by `divisor` before summing them over the replicas (1: nnScaler's sum)."""
         self.grad_divisor = divisor
@@ -250,7 +228,9 @@ class Reducer(ReducerHooksMixin):
     def _launch(self, bucket: Bucket) -> None:
         self._prepare(bucket)
         self._fresh = True
-        if self.robust is not None and self.robust.coords is not None:
+        if bucket.group is not None:  # summed over plan axes too: over them and the replicas at once
+            bucket.launch(bucket.group, self.scatter)
+        elif self.robust is not None and self.robust.coords is not None:
             bucket.launch(self.group, self.scatter, start=self.robust.coords.start)
         elif self.hier is not None:
             bucket.launch(self.hier.intra, scatter=True)
@@ -266,7 +246,9 @@ class Reducer(ReducerHooksMixin):
         return self.cross_group if self.scatter else None
 
     def _finish(self, bucket: Bucket) -> None:
-        if self.robust is not None and self.robust.coords is not None:
+        if bucket.group is not None:
+            bucket.finish(self.scatter)
+        elif self.robust is not None and self.robust.coords is not None:
             bucket.finish(self.scatter, take=self.robust.coords.take)
         elif self.hier is not None:
             bucket.finish_gather(self.hier.intra)
@@ -385,7 +367,7 @@ class Reducer(ReducerHooksMixin):
             return
         assert self.zero_group is not None
         for bucket in self.buckets:
-            bucket.launch_gather(self.zero_group)
+            bucket.launch_gather(bucket.group or self.zero_group)
         for bucket in self.buckets:
             bucket.wait()
 
@@ -393,10 +375,23 @@ class Reducer(ReducerHooksMixin):
 
     def owned_sq_norm(self, params: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
         """ZeRO: squared 2-norm of the reduced gradients of `params` over the ZeRO group (this rank
-        holds its slice of them; the slices of the group are summed)."""
+        holds its slice of them; the slices of the group are summed). The buckets of weights summed over
+        plan axes are sharded over their own group (plan axes x replicas): their slices are summed over
+        it, and counted where `params` holds their weights (one plan device of the group, as for every
+        weight held by several plan devices)."""
         wanted = {id(p) for p in params}
-        total = sq_norm_of([piece.grad() for piece in self.pieces if id(piece.source) in wanted], device)
+        plain = [pc.grad() for pc in self.pieces if pc.bucket.group is None and id(pc.source) in wanted]
+        total = sq_norm_of(plain, device)
         dist.all_reduce(total, group=self.zero_group)
+        groups = list({id(b.group): b.group for b in self.buckets if b.group is not None}.values())
+        for group in groups:  # bucket order: the same on every rank of each group
+            part = sq_norm_of([pc.grad() for pc in self.pieces if pc.bucket.group is group], device)
+            dist.all_reduce(part, group=group)
+            held = {id(p) in wanted for b in self.buckets if b.group is group for p in b.params}
+            if held == {True}:
+                total += part
+            elif held != {False}:
+                raise RuntimeError("owned_sq_norm: the weights sharing one reduction group are owned apart")
         return total
 
     @torch.no_grad()
@@ -447,13 +442,14 @@ def build_reducer(
     config: Any,
     deferred: Sequence[torch.nn.Parameter] = (),
     bucket_cap_mb: float | None = None,
+    groups: dict[int, dist.ProcessGroup] | None = None,
 ) -> Reducer | None:
     """The reducer of a ParallelModule from its `compute_config` (None: defaults); None with one replica.
 
     Reads `reducer_bucket_cap_mb`, `use_async_reducer`, `use_zero`, `zero_ngroups`,
     `zero_use_reduce_scatter` and (when present) `zero_stage` and `reduce_grads_in_fp32`. Under ZeRO it
     creates the ZeRO groups of every data-parallel group: every rank must build its reducers at the
-    same point, in the same order. `deferred`: see `Reducer` (weights tied across pipeline stages).
+    same point, in the same order. `deferred`, `groups`: see `Reducer`.
     """
     if dp_group is None:
         return None
@@ -489,6 +485,7 @@ def build_reducer(
         hierarchy=hierarchy,
         robust=robust,
         fault=from_env(rank),
+        groups=groups,
     )
     if summed:
         reducer.set_grad_divisor(1)

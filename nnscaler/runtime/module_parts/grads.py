@@ -5,7 +5,7 @@ the gradient norm and clipping over one plan copy."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from nnscaler.errors import ConfigError
 from nnscaler.runtime.device import runtime_device
-from nnscaler.runtime.dist.groups import create_host_groups, get_host_group
+from nnscaler.runtime.dist.groups import create_host_groups, get_group, get_host_group
 from nnscaler.runtime.grads.autotune import BucketAutotuner
 from nnscaler.runtime.grads.reducer import (
     Reducer,
@@ -52,6 +52,8 @@ class GradientsMixin:
     """grad_aggregation='zeno': the user's validation loss (`set_zeno_scorer` / `set_zeno_batch`)."""
     _zeno_step_batch: Any = None
     """train_step's default validation micro-batch (its last), for the duration of the step."""
+    _grad_groups: dict[str, list[int]] | None = None
+    """Local parameter name -> the ranks the reducer sums its gradient over (`reduce_grad_over`)."""
 
     # ---- training -------------------------------------------------------------------------------------
 
@@ -69,6 +71,21 @@ class GradientsMixin:
         self._grads_synced = False
 
     # ---- gradient reducer ---------------------------------------------------------------------------
+
+    def reduce_grad_over(self, local_name: str, ranks: Sequence[int]) -> None:
+        """Generated code calls this: `local_name` is held whole along plan axes where every reader splits
+        the batch, so its gradient is a partial sum there. The reducer sums it over `ranks` (this rank's
+        ranks on those axes, in every data-parallel replica), dividing by the replicas as for any weight:
+        the sum over the axes, then the replicas' mean (or sum, `dp_grad_reduction='sum'`)."""
+        if local_name not in self.fullmap:
+            raise KeyError(f"reduce_grad_over: {local_name!r} is not registered (call add_shard first)")
+        ranks = sorted(int(r) for r in ranks)
+        if not set(self._dp_ranks()) <= set(ranks):
+            raise ValueError(
+                f"reduce_grad_over({local_name!r}, {ranks}): the group must hold this rank's data-parallel "
+                f"group {self._dp_ranks()}"
+            )
+        self._grad_groups = {**(self._grad_groups or {}), local_name: ranks}
 
     @property
     def reducer(self) -> Reducer | None:
@@ -119,6 +136,12 @@ class GradientsMixin:
                 f"ComputeConfig.grad_aggregation={cfg.grad_aggregation!r} is not supported with pipeline "
                 "stages yet: use grad_aggregation='mean', or a plan without pipeline stages"
             )
+        zero3 = cfg is not None and cfg.use_zero and getattr(cfg, "zero_stage", 1) == 3
+        if self._grad_groups and (self.group("dp") is None or zero3):
+            raise ConfigError(
+                f"{type(self).__name__} sums some gradients over plan axes in its reducer (reduce_grad_over), "
+                "which needs data-parallel replicas and not ZeRO 3: generate it again for this ComputeConfig"
+            )
         if cfg is not None and cfg.use_zero and getattr(cfg, "zero_stage", 1) == 3:
             return build_zero3(self)
         cap = None
@@ -136,7 +159,17 @@ class GradientsMixin:
             plan_ngpus=self.plan_ngpus,
             config=self.compute_config,
             deferred=self.tied_params(),  # summed over the stages first (sync_tied_grads)
+            groups=self._grad_group_map(),
         )
+
+    def _grad_group_map(self) -> dict[int, dist.ProcessGroup]:
+        """id of each trainable parameter of `reduce_grad_over` -> its group (created at init)."""
+        out = {}
+        for name, ranks in (self._grad_groups or {}).items():
+            param, group = self._tensor(name), get_group(ranks)
+            if param.requires_grad and group is not None:
+                out[id(param)] = group
+        return out
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
