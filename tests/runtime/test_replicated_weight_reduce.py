@@ -252,3 +252,18 @@ def test_hierarchical_allreduce_beside_summed_weights(tmp_path, monkeypatch) -> 
     ]
     summed = {line.split('"')[1] for line in src.splitlines() if "self.reduce_grad_over(" in line}
     assert set(shards) - summed, "some weight should stay with the plain (hierarchical) buckets"
+
+
+def test_reduce_grad_over_refuses_what_it_cannot_reduce() -> None:
+    """Unknown names, a group without this rank's replicas, and a module without replicas: clear errors."""
+    from nnscaler.errors import ConfigError
+    from tests.runtime.test_module import Gen
+
+    pm = Gen(0, 1, 1, init_params=False)
+    with pytest.raises(KeyError, match="'nope' is not registered"):
+        pm.reduce_grad_over("nope", [0])
+    with pytest.raises(ValueError, match=r"must hold this rank's data-parallel group \[0\]"):
+        pm.reduce_grad_over("fc1_weight", [1, 2])
+    pm.reduce_grad_over("fc1_weight", [0])
+    with pytest.raises(ConfigError, match="needs data-parallel replicas and not ZeRO 3: generate it again"):
+        pm.reducer  # noqa: B018
