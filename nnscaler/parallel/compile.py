@@ -19,6 +19,7 @@ from nnscaler.errors import ConfigError
 from nnscaler.graph.capture import capture
 from nnscaler.graph.ir import Graph, graph_from_json, graph_to_json
 from nnscaler.parallel.artifacts import torch_bytes
+from nnscaler.parallel.replicated import ReplicatedShare, replicated_share
 from nnscaler.parallel.resolved_policy import ResolvedPolicy, resolve_pas_policy
 from nnscaler.parallel.savedir import CONSTANTS_FILE
 from nnscaler.parallel.unannotated import check_unannotated
@@ -37,6 +38,9 @@ class CompileResult:
     seconds: dict[str, float] = field(default_factory=dict)
     unsplit: list[UnsplitWeight] = field(default_factory=list)
     """The largest weights kept whole on every device of a tensor-parallel group, with the reason."""
+    replicated: ReplicatedShare | None = None
+    """Under a plan over several devices (plan_ngpus > 1): the share of parameters and FLOPs each rank
+    holds / computes whole (replicated over its stage's devices), with the causes grouped; else None."""
 
 
 _log = logging.getLogger(__name__)
@@ -114,16 +118,18 @@ def compile_module(
             f"(policy {policy.name!r} planned {plan.pipeline.nstages}): use grad_aggregation='mean' or no pipeline"
         )
     write_atomic(outdir / "plan.json", plan.to_json())
-    if plan.policy == "autodist":  # what it chose and why, beside the generated code
-        from nnscaler.policies.autodist.report import plan_report_text
-
-        write_atomic(outdir / "plan_report.md", plan_report_text(graph, plan, cfg))
     seconds["plan"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     partition = apply_pipeline if plan.pipeline else apply_plan
     program = partition(graph, plan, fold_weight_grads=_folds_weight_grads(cfg))
     seconds["partition"] = time.perf_counter() - t0
     unsplit = _unsplit(graph, plan, program)
+    whole = replicated_share(graph, plan, program, cfg) if cfg.plan_ngpus > 1 else None
+    if plan.policy == "autodist":  # what it chose and why, beside the generated code
+        from nnscaler.policies.autodist.report import plan_report_text
+
+        section = whole.markdown() if whole is not None else []
+        write_atomic(outdir / "plan_report.md", plan_report_text(graph, plan, cfg, section))
     t0 = time.perf_counter()
     full_shapes = {k: v.meta.shape for k, v in graph.values.items() if v.meta is not None}
     plan_id = plan_fingerprint(graph_file.read_bytes(), plan.to_json(), cfg)
@@ -140,10 +146,12 @@ def compile_module(
         _plan_summary(plan, cfg),
         *(seconds[k] for k in ("capture", "plan", "partition", "codegen")),
     )
+    if whole is not None:
+        _log.info("%s", whole.summary())
     if plan.tp_size > 1:
         _log.info("%s", unsplit_summary(unsplit))
     _log.info("generated code: %s", outdir / f"gencode{{0..{cfg.runtime_ngpus - 1}}}.py")
-    return CompileResult(outdir, graph, seconds, unsplit)
+    return CompileResult(outdir, graph, seconds, unsplit, whole)
 
 
 def _unsplit(graph: Graph, plan: Any, program: Any) -> list[UnsplitWeight]:

@@ -4,6 +4,7 @@ communication), the totals, and the same figures for the standard recipes under 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 from nnscaler.config import ComputeConfig
@@ -33,9 +34,15 @@ def _gb(nbytes: float) -> str:
 
 
 def plan_report(
-    graph: Graph, plan: Plan, setup: PlannerSetup, scored: list[Candidate] | None = None, recipes: bool = True
+    graph: Graph,
+    plan: Plan,
+    setup: PlannerSetup,
+    scored: list[Candidate] | None = None,
+    recipes: bool = True,
+    whole: Sequence[str] = (),
 ) -> str:
-    """The report as Markdown (see the module docstring)."""
+    """The report as Markdown (see the module docstring). `whole`: the lines of its 'What stays whole'
+    section (the compile writes them from the partitioned program: nnscaler.parallel.replicated)."""
     cand = evaluate_any_plan(graph, setup, plan)
     res = cand.spmd
     c = setup.cluster
@@ -64,6 +71,7 @@ def plan_report(
     ]
     lines += cp_report_lines(graph, plan, setup, cand)
     lines += ep_report_lines(graph, plan, setup, cand)
+    lines += list(whole)
     if res is not None and res.stats:
         s = res.stats
         lines += [
@@ -165,9 +173,10 @@ def _modules(graph: Graph, plan: Plan, setup: PlannerSetup, res) -> list[str]:
     return lines
 
 
-def plan_report_text(graph: Graph, plan: Plan, cfg: ComputeConfig) -> str:
-    """The report of an autodist plan compiled with `cfg` (re-costed for the traced shapes)."""
-    return plan_report(graph, plan, planner_setup(graph, cfg))
+def plan_report_text(graph: Graph, plan: Plan, cfg: ComputeConfig, whole: Sequence[str] = ()) -> str:
+    """The report of an autodist plan compiled with `cfg` (re-costed for the traced shapes); `whole`: see
+    plan_report."""
+    return plan_report(graph, plan, planner_setup(graph, cfg), whole=whole)
 
 
 def write_plan_report(graph: Graph, plan: Plan, cfg: ComputeConfig, outdir: str | Path) -> Path:
