@@ -128,7 +128,7 @@ def _run(rank: int, world_size: int, gen_savedir: str) -> dict:
 
 
 def test_gradient_matches_eager_on_two_ranks(tmp_path):
-    """dp (1, 2) and tp (2, 2): losses and every rank's gradients match eager (tp: each rank's rows)."""
+    """dp (1, 2) and tp (2, 2): losses and every rank's gradients match eager (tp: each rank's slice)."""
     results = spawn(_run, 2, tmp_path, str(tmp_path / "gen"))
     for policy, plan_ngpus in POLICIES:
         replicas = 2 // plan_ngpus
@@ -143,9 +143,10 @@ def test_gradient_matches_eager_on_two_ranks(tmp_path):
             for local, grad in r["grads"][rank].items():
                 full = r["dist_param_map"].get(local, local.replace("_", "."))
                 ref = grads[full]
-                if grad.shape != ref.shape:  # a tensor-parallel shard: this rank's slice of rows
-                    rows = grad.shape[0]
-                    ref = ref[(rank % plan_ngpus) * rows : (rank % plan_ngpus + 1) * rows]
+                if grad.shape != ref.shape:  # a tensor-parallel shard: this rank's slice (rows or columns)
+                    (dim,) = [d for d, (a, b) in enumerate(zip(grad.shape, ref.shape)) if a != b]
+                    n = grad.shape[dim]
+                    ref = ref.narrow(dim, (rank % plan_ngpus) * n, n)
                 torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-6)
                 checked += 1
         assert checked >= 4, policy

@@ -433,6 +433,10 @@ class _Partitioner:
         partial = self._fresh(f"{out}_partial")
         if node.op == "aten.addmm.default":
             self._emit(Statement("op", "aten.mm.default", (refs[1], refs[2]), {}, [partial], **common))
+        elif node.op in ("aten.baddbmm.default", "aten.addbmm.default"):  # beta=0: the input is ignored
+            alpha = node.args[4] if len(node.args) > 4 else node.kwargs.get("alpha", 1)
+            kw = {"beta": 0, "alpha": alpha}
+            self._emit(Statement("op", node.op, (refs[0], refs[1], refs[2]), kw, [partial], **common))
         else:
             self._emit(Statement("op", node.op, (refs[0], refs[1]), {}, [partial], **common))
         placements = list(placements_of(out_layout, len(self.mesh)))

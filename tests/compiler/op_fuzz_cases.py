@@ -261,7 +261,53 @@ def _matmul(d: Draw) -> list[tuple]:
         (d.f(k), d.f(k, n)),
         (d.f(a, m, k), d.f(k, n)),
         (d.f(a, 1, m, k), d.f(b, k, n)),
+        (d.f(m, k), d.f(a, k, n)),  # 2-D @ batched: the batch comes from the second operand
+        (d.f(a, m, k), d.f(a, k, n)),  # batched @ batched, same batch
+        (d.f(a, b, m, k), d.f(1, k, n)),  # a size-1 batch broadcasts
         _twice(d.f(6, 6)),
+    ]
+
+
+def _baddbmm(d: Draw) -> list[Case]:
+    """ALiBi's scores: a bias broadcast over the batch, scaled products; beta != 1 keeps k whole."""
+    b, m, k, n = d.shape(4)
+    x, y = d.f(b, m, k), d.f(b, k, n)
+    return [
+        Case((d.f(b, m, n), x, y)),
+        Case((d.f(b, 1, n), x, y), {"beta": 1.0, "alpha": 0.25}),
+        Case((d.f(n), x, y), {"beta": 0.5, "alpha": 2.0}),
+        Case((d.f(b, m, n), x, y), {"beta": 0.0}),
+    ]
+
+
+def _addbmm(d: Draw) -> list[Case]:
+    b, m, k, n = d.shape(4)
+    x, y = d.f(b, m, k), d.f(b, k, n)
+    return [
+        Case((d.f(m, n), x, y)),
+        Case((d.f(n), x, y), {"alpha": 0.5}),
+        Case((d.f(m, 1), x, y), {"beta": 2.0, "alpha": 0.5}),
+    ]
+
+
+def _einsum(d: Draw) -> list[tuple]:
+    """One case per equation shape."""
+    b, h, s, t, e, f = d.shape(6)
+    return [
+        ("ij,jk->ik", [d.f(s, e), d.f(e, f)]),  # matmul
+        ("bij,bjk->bik", [d.f(b, s, e), d.f(b, e, f)]),  # batched
+        ("bhqd,bhkd->bhqk", [d.f(b, h, s, e), d.f(b, h, t, e)]),  # attention scores
+        ("bhqk,bhkd->bhqd", [d.f(b, h, s, t), d.f(b, h, t, e)]),  # attention values
+        ("bsd,fd->bsf", [d.f(b, s, e), d.f(f, e)]),  # a projection on a weight
+        ("i,j->ij", [d.f(s), d.f(t)]),  # outer product
+        ("ii->", [d.f(s, s)]),  # trace
+        ("bii->bi", [d.f(b, s, s)]),  # batched diagonal
+        ("...ij,...jk->...ik", [d.f(b, h, s, e), d.f(h, e, f)]),  # ellipsis, broadcast batch
+        ("...d,...d->...", [d.f(b, 1, e), d.f(s, e)]),  # size-1 ellipsis dim broadcasts
+        ("bi,ij,jk->bk", [d.f(b, s), d.f(s, e), d.f(e, f)]),  # three operands
+        ("ij,jk", [d.f(s, e), d.f(e, f)]),  # implicit output
+        ("bsd,dB->Bs", [d.f(b, s, e), d.f(e, f)]),  # summed batch, capital letters
+        ("bsd,bd->bs", [d.f(b, s, e), d.f(1, e)]),  # a size-1 letter broadcasts
     ]
 
 
@@ -271,6 +317,9 @@ LINEAR: dict[str, Maker] = {
     "mm.default": cases(lambda d: [(d.f(d.n(), 6), d.f(6, d.n())), _twice(d.f(6, 6))]),
     "bmm.default": cases(lambda d: [(d.f(6, d.n(), 12), d.f(6, 12, d.n())), _twice(d.f(6, 6, 6))]),
     "matmul.default": cases(_matmul),
+    "baddbmm.default": _baddbmm,
+    "addbmm.default": _addbmm,
+    "einsum.default": cases(_einsum),
 }
 
 

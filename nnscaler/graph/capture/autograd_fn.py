@@ -6,7 +6,9 @@ torch.library op made for that Function (one per Function and argument kinds): o
 kernel runs the Function's forward for shapes. The node's op is then named after the Function,
 `module:Qualname.apply`, and generated code calls `module.Qualname.apply(...)` itself, so the
 Function's own forward and backward (ctx and all) run at run time. Without an annotation
-(`nnscaler.register_op(annotation)(Fn)`) the op is kept whole on every device.
+(`nnscaler.register_op(annotation)(Fn)`) the forward is probed on small random inputs (graph/ops/
+probe.py): an elementwise or row-wise Function gets the annotation of the dims along which it and its
+backward commute with slicing, and runs on each device's shard; any other is kept whole on every device.
 
 A Function the generated code cannot call (defined in `__main__` or inside a function), one that
 modifies its inputs in place (ctx.mark_dirty), or one taking or returning values other than tensors
@@ -28,8 +30,10 @@ import torch
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from nnscaler.errors import TraceError
-from nnscaler.graph.ir import Graph
+from nnscaler.graph.ir import Graph, Node, Ref
 from nnscaler.graph.ops.custom import autograd_op_name
+from nnscaler.graph.ops.probe import probe_annotation
+from nnscaler.graph.ops.registry import OpCall, OpRule, get_rule, op_call, register_rule
 
 __all__ = ["opaque_autograd_functions", "name_autograd_functions"]
 
@@ -37,6 +41,9 @@ _NAMESPACE = "nnscaler_autograd"
 _LIB: torch.library.Library | None = None
 _OPS: dict[tuple, Any] = {}  # (Function class, argument kinds, output count) -> op overload
 _NAMES: dict[str, str] = {}  # 'nnscaler_autograd.<name>.default' -> 'module:Qualname.apply'
+_CLASSES: dict[str, type] = {}  # 'module:Qualname.apply' -> the Function
+_PROBED: dict[tuple, str | None] = {}  # (op, input metas, non-tensor args) -> probed annotation
+PROBED_FAMILY = "probed"
 _INTERNAL = ("torch.", "nnscaler.", "functorch.")
 
 
@@ -138,6 +145,7 @@ def _make_op(fn: type, apply, kinds: tuple[str, ...], n_out: int | None) -> Any:
     torch.library.register_autograd(qualname, backward, setup_context=setup_context, lib=lib)
     op = getattr(getattr(torch.ops, _NAMESPACE), name).default
     _NAMES[str(op)] = autograd_op_name(fn)
+    _CLASSES[autograd_op_name(fn)] = fn
     return op
 
 
@@ -208,4 +216,47 @@ def name_autograd_functions(graph: Graph) -> Graph:
     if not any(node.op in _NAMES for node in graph.nodes):
         return graph
     nodes = [dataclasses.replace(n, op=_NAMES[n.op]) if n.op in _NAMES else n for n in graph.nodes]
-    return dataclasses.replace(graph, nodes=nodes)
+    graph = dataclasses.replace(graph, nodes=nodes)
+    _annotate_by_probing(graph)
+    return graph
+
+
+def _probed(call: OpCall) -> str | None:
+    """The probed annotation of one call of a Function (cached by its input metas and arguments)."""
+    literal = repr(
+        [a for a in call.args if not isinstance(a, (Ref, list, tuple))] + sorted(call.kwargs.items())
+    )
+    key = (call.node.op, tuple(call.inputs), literal)
+    if key not in _PROBED:
+        fn = _CLASSES[call.node.op]
+        _PROBED[key] = probe_annotation(fn.apply, call.node.args, call.inputs, call.outputs)
+    return _PROBED[key]
+
+
+def _probed_rule(call: OpCall) -> str:
+    found = _probed(call)
+    if found is not None:
+        return found
+
+    # a later graph's call the probe refuses, under a rule registered for earlier ones: whole
+    def whole(metas: list, tag: str) -> str:
+        return ", ".join(
+            " ".join(f"_{tag}{k}_{d}^" for d in range(len(m.shape))) for k, m in enumerate(metas)
+        )
+
+    return whole(call.inputs, "i") + " -> " + whole(call.outputs, "o")
+
+
+def _annotate_by_probing(graph: Graph) -> None:
+    """Give each Function the user did not annotate the annotation its probe finds (every call must
+    pass: a Function any call of which is not elementwise or row-wise stays unannotated, kept whole)."""
+    calls: dict[str, list[Node]] = {}
+    for node in graph.nodes:
+        if node.op in _CLASSES:
+            calls.setdefault(node.op, []).append(node)
+    for op, nodes in calls.items():
+        rule = get_rule(op)
+        if rule is not None and rule.family != PROBED_FAMILY:
+            continue  # the user's register_op annotation
+        if all(_probed(op_call(n, graph)) is not None for n in nodes):
+            register_rule(OpRule(op, _probed_rule, PROBED_FAMILY))

@@ -8,6 +8,7 @@ from nnscaler.graph.ops import (  # noqa: F401  (each module registers its famil
     attention,
     conv,
     creation,
+    einsum,
     elementwise,
     embedding,
     linear,

@@ -26,6 +26,28 @@ fixed("aten.mm.default", "linear", "m k+, k+ n -> m n")
 fixed("aten.bmm.default", "linear", "b m k+, b k+ n -> b m n")
 
 
+def _beta_is_one(call: OpCall) -> bool:
+    """Split on the reduction, the bias is added once after it, unscaled (the local op runs with
+    beta=0, alpha kept: see partition's bias split): exact only where beta is 1."""
+    return call.arg(3, "beta", 1) == 1
+
+
+@rule("aten.baddbmm.default", "linear", bias_input=0)
+def baddbmm(call: OpCall) -> str:
+    """beta * input + alpha * (b1 @ b2) per batch; the input broadcasts to (b, m, n) (ALiBi's bias)."""
+    (bias,) = broadcast_inputs(call.outputs[0].shape, [call.inputs[0].shape], ["b", "m", "n"])
+    k = "k+" if _beta_is_one(call) else "k^"
+    return f"{bias}, b m {k}, b {k} n -> b m n"
+
+
+@rule("aten.addbmm.default", "linear", bias_input=0)
+def addbmm(call: OpCall) -> str:
+    """beta * input + alpha * sum over the batch of b1 @ b2: the batch is a reduction like k."""
+    (bias,) = broadcast_inputs(call.outputs[0].shape, [call.inputs[0].shape], ["m", "n"])
+    b, k = ("b+", "k+") if _beta_is_one(call) else ("b^", "k^")
+    return f"{bias}, {b} m {k}, {b} {k} n -> m n"
+
+
 @rule("aten.matmul.default", "linear")
 def matmul(call: OpCall) -> str:
     a, b = (m.shape for m in call.inputs)
