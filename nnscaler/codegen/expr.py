@@ -20,6 +20,7 @@ from nnscaler.codegen.special_ops import SPECIAL as _SPECIAL
 from nnscaler.codegen.special_ops import call_code as _call
 from nnscaler.codegen.special_ops import tensor_kwargs as _tensor_kwargs
 from nnscaler.graph.ir import ModeValue, Ref, SymExpr, mesh_coords
+from nnscaler.graph.ops.check import is_value_check
 from nnscaler.graph.ops.custom import op_emitter
 from nnscaler.graph.ops.leaf import is_leaf_op
 from nnscaler.partition import GROUP, AxisGroup, RankScaled, Statement
@@ -193,7 +194,7 @@ def statement_code(s: Statement, f: Formatter) -> str:
         raise ValueError(f"unknown statement kind {s.kind}")
     if s.tuple_output:
         lhs = ", ".join(f.local(o) for o in s.outputs) + ("," if len(s.outputs) == 1 else "")
-    elif not s.outputs:
+    elif not s.outputs or (s.kind == "op" and is_value_check(s.op)):  # a check's result is never read
         return rhs
     else:
         lhs = f.local(s.outputs[0])

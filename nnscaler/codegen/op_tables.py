@@ -28,6 +28,8 @@ METHOD = {  # aten op -> tensor method taking the remaining positional args
     "aten.detach.default": "detach",
     "aten.masked_fill.Scalar": "masked_fill",
     "aten.masked_fill.Tensor": "masked_fill",
+    "aten.max.default": "max",  # over every element (a value check's `labels.max()`)
+    "aten.min.default": "min",
 }
 BINARY = {
     "aten.add.Tensor": "+",

@@ -3,15 +3,18 @@ defaults left out (attention, cross entropy), slices as subscripts, dtype conver
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable
 from typing import Any
 
+from nnscaler.graph.ops.check import VALUE_CHECK_OP
 from nnscaler.partition import Statement
 
 __all__ = ["SPECIAL", "call_code", "arg_at", "tensor_kwargs"]
 
 _MAXINT = 9223372036854775807
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+_CHECK_ARGS = ("cond", "raise_when", "exc", "message", "where")
 
 Render = Callable[[Statement, Any], str]
 """(statement, formatter) -> the expression; the formatter renders one argument value."""
@@ -109,6 +112,15 @@ def _to(s: Statement, f) -> str:
     return call_code(f"{f(s.args[0])}.to", args, kw)
 
 
+def _value_check(s: Statement, f) -> str:
+    """`nnscaler.runtime.checks.raise_if(cond, ValueError, "message", "model.py:30  if ...")`: the
+    model's check that only raises (graph/capture/value_checks.py), on this rank's values."""
+    cond, raise_when, exc, message, where = (arg_at(s, i, n) for i, n in enumerate(_CHECK_ARGS))
+    fn = "raise_if" if raise_when else "raise_unless"
+    cls = exc if exc.isidentifier() and isinstance(getattr(builtins, exc, None), type) else repr(exc)
+    return call_code(f"nnscaler.runtime.checks.{fn}", [f(cond), cls, f(message), f(where)], {})
+
+
 def _split(s: Statement, f) -> str:
     kw = {"dim": f(arg_at(s, 2, "dim", 0))}
     return call_code(f"{f(s.args[0])}.split", [f(s.args[1])], kw)
@@ -137,5 +149,6 @@ SPECIAL: dict[str, Render] = {
     "aten.sum.dim_IntList": _reduce("sum"),
     "aten.sum.default": _reduce("sum"),
     "aten.amax.default": _reduce("amax"),
+    VALUE_CHECK_OP: _value_check,
 }
 """aten op -> its renderer."""

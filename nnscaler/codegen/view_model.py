@@ -19,6 +19,7 @@ from nnscaler.codegen.shards_code import frozen_params, shard_lines
 from nnscaler.config import ComputeConfig
 from nnscaler.graph.ir import iter_refs
 from nnscaler.graph.ops import op_module
+from nnscaler.graph.ops.check import is_value_check
 from nnscaler.mesh import hybrid_cp_subgroups, mesh_axis_groups, rank_axis_groups
 from nnscaler.partition import Program, Statement
 from nnscaler.partition.context_parallel import CP_CALL
@@ -285,6 +286,8 @@ def custom_op_imports(statements: list[Statement]) -> list[str]:
     """Modules to import so the custom ops the statements call are registered."""
     modules = {op_module(s.op) for s in statements if s.kind == "op" and not s.op.startswith("aten.")}
     out = [f"{m}  # registers the custom ops called below" for m in sorted(m for m in modules if m)]
+    if any(s.kind == "op" and is_value_check(s.op) for s in statements):
+        out.append("nnscaler.runtime.checks  # the model's value checks, on this rank's values")
     if any(s.kind == "special" and s.op == CP_CALL for s in statements):
         out.append("nnscaler.runtime.context_parallel as context_parallel  # attention split by sequence")
     if any(s.kind == "special" and s.op == EP_CALL for s in statements):

@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 from nnscaler.errors import TraceError
 from nnscaler.graph.capture.autograd_fn import name_autograd_functions, opaque_autograd_functions
 from nnscaler.graph.capture.convert import convert_exported
+from nnscaler.graph.capture.ctc_loss import ctc_loss_shapes
 from nnscaler.graph.capture.export import check_forward_args, export_module, untraced_defaults
 from nnscaler.graph.capture.functionalize import functionalize
 from nnscaler.graph.capture.leaf_modules import capture_with_leaves, mark_leaf_nodes
@@ -20,6 +21,7 @@ from nnscaler.graph.capture.modes import trace_both_modes
 from nnscaler.graph.capture.moe import experts_as_op
 from nnscaler.graph.capture.side_effects import watch_side_effects
 from nnscaler.graph.capture.symbolic import dynamic_shapes_spec
+from nnscaler.graph.capture.value_checks import trace_value_checks
 from nnscaler.graph.ir import Graph
 
 __all__ = ["capture", "check_forward_args", "export_module", "convert_exported"]
@@ -77,7 +79,15 @@ def _capture(
     # custom autograd Functions keep their backward; the program follows train()/eval()
     # ...and forward's changes to plain attributes (`self.calls += 1`), which no trace keeps, warn
     # ...and the experts of mixture-of-experts layers trace as one op (graph/capture/moe.py)
-    with experts_as_op(module), opaque_autograd_functions(), watch_side_effects(module):
+    # ...and value checks that only raise (`if labels.max() >= n: raise`) trace as run-time checks;
+    # F.ctc_loss traces as one op (capture/ctc_loss.py)
+    with (
+        experts_as_op(module),
+        opaque_autograd_functions(),
+        watch_side_effects(module),
+        trace_value_checks(),
+        ctc_loss_shapes(),
+    ):
         # writes into views become ops on their base (torch's functionalization), in each mode
         export = lambda: functionalize(export_module(module, kwargs, dynamic))  # noqa: E731
         trace = (lambda ex: trace_both_modes(module, ex, kwargs)) if both_modes else (lambda ex: ex())
