@@ -1,4 +1,4 @@
-"""Code for opaque leaf modules (graph/capture/leaf_modules.py): one eager call of the module each.
+"""Code for opaque leaves (graph/capture/leaf_modules.py): one eager call of the module or method each.
 
 A leaf node's args are its tensor inputs, then its parameters and buffers; its kwargs say how the
 module was called (`in_spec`: the pytree of (args, kwargs), `constants`: the non-tensor leaves).
@@ -99,13 +99,19 @@ def _statements(program: Program | PipelineProgram) -> list[Statement]:
 
 def leaf_module_lines(program: Program | PipelineProgram) -> tuple[list[str], list[str]]:
     """(imports, class attribute lines) for the leaf modules the program calls; ([], []) for none."""
-    paths = sorted(
-        {st.kwargs["leaf"] for st in _statements(program) if st.kind == "op" and is_leaf_op(st.op)}
-    )
+    leaves = [st for st in _statements(program) if st.kind == "op" and is_leaf_op(st.op)]
+    paths = sorted({st.kwargs["leaf"] for st in leaves})
     if not paths:
         return [], []
-    attr = (
+    attrs = [
         f"leaf_modules = {tuple(paths)!r}  # run eagerly, replicated, as one op each "
         "(nnscaler.runtime.leaf; parallelize attaches them)"
-    )
-    return [f"{_RUNTIME}  # runs the opaque leaf modules"], [attr]
+    ]
+    used: dict[str, set[str]] = {}
+    for st in leaves:
+        if st.kwargs["leaf"].endswith("()"):  # a method: the state of its module it uses, by name there
+            used.setdefault(st.kwargs["leaf"], set()).update(st.kwargs["state"])
+    if used:
+        state = {k: tuple(sorted(v)) for k, v in sorted(used.items())}
+        attrs.append(f"leaf_state = {state!r}  # the parameters and buffers each opaque method uses")
+    return [f"{_RUNTIME}  # runs the opaque leaf modules"], attrs

@@ -1,10 +1,12 @@
-"""Opaque leaf modules: a submodule the trace cannot capture runs as one op, eagerly, in generated code.
+"""Opaque leaves: a method or submodule the trace cannot capture runs as one op, eagerly, in generated code.
 
-A leaf is chosen two ways. The user names it: `pas_config={"leaf_modules": ["visual"]}` (module paths
-or class names). Or capture finds it: when torch.export fails on data-dependent Python (`for n in
-sizes.tolist()`), the innermost submodule on the failing call stack whose forward takes and returns
-tensors (pytrees of tensors and literals) becomes a leaf and the export is retried, as often as it
-takes. Each leaf traces as one `nnscaler_leaf::call` node (leaf_op.py) taking its tensor arguments and
+A leaf is chosen two ways. The user names it: `pas_config={"leaf_modules": ["visual"]}` (module paths,
+class names, or methods as `"model.get_image_features()"`). Or capture finds it: when torch.export
+fails on data-dependent Python (`for n in sizes.tolist()`), the innermost function on the failing call
+stack that is a method of a module of the model (a submodule's forward included, the top module's
+forward never: leaf_regions.py) and takes and returns tensors (pytrees of tensors and literals)
+becomes a leaf and the export is retried, as often as it takes. A leaf method takes the parameters
+and buffers of its module that it was seen to use in a real run on the dummy inputs. Each leaf traces as one `nnscaler_leaf::call` node (leaf_op.py) taking its tensor arguments and
 its parameters and buffers (lifted under their original names, so checkpoints, merges and the
 gradient reducer see them); the plan replicates it; generated code calls `nnscaler.runtime.leaf.call`,
 which runs the module with `torch.func.functional_call` on the generated module's own tensors, so
@@ -38,6 +40,14 @@ from nnscaler.graph.capture.leaf_op import (
     TensorSlot,
     describe_io,
     leaf_session,
+    split_key,
+)
+from nnscaler.graph.capture.leaf_regions import (
+    owner_of,
+    record_methods,
+    stack_regions,
+    trace_regions,
+    value_read_regions,
 )
 from nnscaler.graph.ir import Graph, Node
 
@@ -59,6 +69,10 @@ def resolve_leaf_modules(root: torch.nn.Module, names: Sequence[str]) -> dict[st
         if name in modules and name != "":
             chosen[name] = "named in pas_config['leaf_modules']"
             continue
+        owner, method = split_key(name)
+        if method is not None and owner in modules and callable(getattr(modules[owner], method, None)):
+            chosen[name] = "named in pas_config['leaf_modules']"
+            continue
         by_class = [
             p
             for p, m in modules.items()
@@ -71,7 +85,8 @@ def resolve_leaf_modules(root: torch.nn.Module, names: Sequence[str]) -> dict[st
             hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
             raise ConfigError(
                 f"pas_config['leaf_modules'] names {name!r}, which is neither a submodule path (as in "
-                f"model.named_modules(), e.g. 'model.visual') nor the class name of a submodule of "
+                f"model.named_modules(), e.g. 'model.visual'), a method of one ('model.get_image_features()') "
+                f"nor the class name of a submodule of "
                 f"{type(root).__name__}{hint}"
             )
         for path in by_class:
@@ -80,16 +95,39 @@ def resolve_leaf_modules(root: torch.nn.Module, names: Sequence[str]) -> dict[st
 
 
 def _outermost(paths: Sequence[str]) -> list[str]:
-    return [p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p)]
+    return [p for p in paths if not any(_inside(p, q) for q in paths if q != p)]
 
 
-def _record_calls(root: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, list[CallRecord]] | None:
-    """Every submodule call of one real forward on the dummy inputs (no grad; RNG and buffers restored).
-    None when the weights or inputs are on the meta device, or forward fails eagerly."""
+def _is_meta(root: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
     tensors = [*root.parameters(), *root.buffers(), *pytree.tree_leaves(kwargs)]
-    if any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors):
-        return None
+    return any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors)
+
+
+def _real_run(root: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """One real forward on the dummy inputs: no grad, RNG and buffers restored (it raises what forward raises)."""
+    tensors = [*root.parameters(), *root.buffers(), *pytree.tree_leaves(kwargs)]
+    saved = {n: b.detach().clone() for n, b in root.named_buffers()}
+    cuda = sorted({t.device.index or 0 for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda})
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            root(**kwargs)
+    finally:
+        with torch.no_grad():
+            for n, b in root.named_buffers():
+                if n in saved:
+                    b.copy_(saved[n])
+
+
+def _record_calls(
+    root: torch.nn.Module, kwargs: dict[str, Any], methods: Sequence[str] = ()
+) -> tuple[dict[str, list[CallRecord]] | None, dict[str, list[str]]]:
+    """Every submodule call of one real forward on the dummy inputs, and every call of the leaf `methods`
+    with the state each method used. None when the weights or inputs are on the meta device, or forward
+    fails eagerly."""
+    if _is_meta(root, kwargs):
+        return None, {}
     records: dict[str, list[CallRecord]] = {}
+    used: dict[str, list[str]] = {}
 
     def hook(path: str):
         def record(module, args, kw, output) -> None:
@@ -103,21 +141,47 @@ def _record_calls(root: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, li
         return record
 
     handles = [m.register_forward_hook(hook(p), with_kwargs=True) for p, m in root.named_modules() if p]
-    saved = {n: b.detach().clone() for n, b in root.named_buffers()}
-    cuda = sorted({t.device.index or 0 for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda})
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-            root(**kwargs)
+        with record_methods(root, list(methods), records, used):
+            _real_run(root, kwargs)
     except Exception:  # noqa: BLE001 - no records: output sizes must then follow from input sizes
-        return None
+        return None, {}
     finally:
         for h in handles:
             h.remove()
-        with torch.no_grad():
-            for n, b in root.named_buffers():
-                if n in saved:
-                    b.copy_(saved[n])
-    return records
+    return records, used
+
+
+def _value_read(
+    root: torch.nn.Module, kwargs: dict[str, Any], chosen: Sequence[str]
+) -> tuple[list[str], str] | None:
+    """Where a real run first reads tensor values outside the chosen leaves: (regions, source line)."""
+    if _is_meta(root, kwargs):
+        return None
+    skip = lambda regions: any(r in chosen or any(_inside(r, q) for q in chosen) for r in regions)  # noqa: E731
+    return value_read_regions(root, lambda: _real_run(root, kwargs), skip)
+
+
+def _ensure_records(
+    root: torch.nn.Module, kwargs: dict[str, Any], session: LeafSession, keys: Sequence[str]
+) -> None:
+    """Real calls recorded for every module and for the leaf methods among `keys`: one real run serves
+    every module leaf found later; a method not yet watched takes one more."""
+    methods = [k for k in keys if split_key(k)[1] is not None]
+    if session.records is None and session.recorded:
+        return  # no real run is possible
+    missing = [k for k in methods if k not in session.used]
+    if session.recorded and not missing:
+        return
+    records, used = _record_calls(root, kwargs, missing)
+    session.recorded = True
+    if records is None:
+        session.records = None
+        return
+    merged = dict(session.records or {})
+    merged.update({k: v for k, v in records.items() if k in missing or k not in merged})
+    session.records = merged
+    session.used.update(used)
 
 
 def _user_line(exc: BaseException) -> str:
@@ -136,26 +200,14 @@ def _causes(exc: BaseException) -> list[BaseException]:
     return out
 
 
-def _stack_modules(exc: BaseException, root: torch.nn.Module) -> list[str]:
-    """Paths of the submodules whose code is on the failing call stack, innermost first."""
-    paths = {id(m): p for p, m in root.named_modules() if p}
-    found: list[str] = []
-    for cause in _causes(exc):
-        for frame, _ in traceback.walk_tb(cause.__traceback__):
-            path = paths.get(id(frame.f_locals.get("self")))
-            if path is not None and path not in found:
-                found.append(path)
-    return found[::-1]
-
-
 def _suitable(path: str, records: dict[str, list[CallRecord]] | None) -> bool:
     calls = (records or {}).get(path)
     return records is None or (bool(calls) and not any(c.unsuitable for c in calls))
 
 
-def _reads_values(program: Any) -> tuple[list[str], str] | None:
+def _reads_values(program: Any, root: torch.nn.Module) -> tuple[list[str], str] | None:
     """A traced program that computes with tensor values as Python numbers (`.tolist()`, `.item()`): the
-    paths of the submodules around the first such node (innermost first) and its source line."""
+    keys of the regions around the first such node (innermost first) and its source line."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     if not isinstance(program, torch.export.ExportedProgram):
@@ -174,7 +226,7 @@ def _reads_values(program: Any) -> tuple[list[str], str] | None:
             if user
             else "an unknown line"
         )
-        return paths, where
+        return trace_regions(node.meta.get("stack_trace") or "", paths, root), where
     return None
 
 
@@ -186,10 +238,10 @@ class _ReadsValues(TraceError):
         self.found = found
 
 
-def _checked(export: Callable[[], Any]) -> Callable[[], Any]:
+def _checked(export: Callable[[], Any], root: torch.nn.Module) -> Callable[[], Any]:
     def run() -> Any:
         program = export()
-        found = _reads_values(program)
+        found = _reads_values(program, root)
         if found is not None:  # before the other mode's export: it would only read them again
             raise _ReadsValues(found)
         return program
@@ -211,20 +263,20 @@ def capture_with_leaves(
     chosen = resolve_leaf_modules(root, leaf_modules)
     named = set(chosen)
     fallbacks: dict[str, list[str]] = {}  # an automatic leaf -> the next candidates of its failure
-    session, recorded = LeafSession(), False
+    session = LeafSession()
     for _ in range(_MAX_RETRIES):
         paths = _outermost(list(chosen))
-        session.leaves = {p: root.get_submodule(p) for p in paths}
-        if paths and not recorded:  # one real run serves every leaf found later
-            session.records, recorded = _record_calls(root, kwargs), True
+        session.leaves = {p: owner_of(root, p) for p in paths}
+        if paths:  # one real run serves every module leaf found later (a new leaf method: one more)
+            _ensure_records(root, kwargs, session, paths)
         held, retry = io.StringIO(), False  # torch prints the partial graph of a failed export to stderr
         try:
             failure: TraceError | None = None
             try:
                 with leaf_session(session), contextlib.redirect_stderr(held):
-                    result = trace(_checked(export))
+                    result = trace(_checked(export, root))
             except _ReadsValues as exc:
-                found = exc.found
+                found = _value_read(root, kwargs, list(chosen)) or exc.found  # a real run shows the method
                 if not auto:
                     raise TraceError(_reads_values_message(found[1], "auto_leaf_modules is False")) from None
             except TraceError as exc:
@@ -235,36 +287,50 @@ def capture_with_leaves(
                     )
                     if bad is None or not fallbacks.get(bad):
                         raise unsuitable from exc
-                    nxt, *rest = fallbacks.pop(bad)  # the next module out from the same failure
-                    chosen[nxt], fallbacks[nxt] = chosen.pop(bad), rest
+                    nxt, *rest = fallbacks.pop(bad)  # the next region out from the same failure
+                    chosen[nxt], fallbacks[nxt] = _why(nxt, chosen.pop(bad)), rest
                     retry = True
                     continue
                 if not auto or not is_data_dependent(exc):
                     raise
-                found, failure = (_stack_modules(exc, root), _user_line(_causes(exc)[-1])), exc
+                found, failure = (stack_regions(exc, root), _user_line(_causes(exc)[-1])), exc
             else:
                 used = {p: chosen[p] for p in paths if p in session.called}
-                _warn(root, used, session.fixed)
+                _warn(root, session, used)
                 return result, used
-            around = [
-                p for p in found[0] if p not in chosen and not any(p.startswith(q + ".") for q in chosen)
-            ]
-            if around and not recorded:  # which of them take and return tensors: one real run says
-                session.records, recorded = _record_calls(root, kwargs), True
+            around = [p for p in found[0] if p not in chosen and not any(_inside(p, q) for q in chosen)]
+            if around:  # which of them take and return tensors: a real run says
+                _ensure_records(root, kwargs, session, around)
             candidates = [p for p in around if _suitable(p, session.records)]
             if not candidates and failure is not None:
                 raise failure
             if not candidates:
                 raise TraceError(
-                    _reads_values_message(found[1], "no submodule around it can run as an opaque op")
+                    _reads_values_message(found[1], "no function around it can run as an opaque op")
                 )
-            chosen[candidates[0]] = f"forward has data-dependent control flow at {found[1]}"
+            chosen[candidates[0]] = _why(candidates[0], f"has data-dependent control flow at {found[1]}")
             fallbacks[candidates[0]] = candidates[1:]
             retry = True
         finally:
             if not retry:  # what this attempt printed is the user's to see; a retried one's is not
                 sys.stderr.write(held.getvalue())
-    raise TraceError(f"capture gave up after making {len(chosen)} submodules opaque: {sorted(chosen)}")
+    raise TraceError(f"capture gave up after making {len(chosen)} regions opaque: {sorted(chosen)}")
+
+
+def _why(key: str, why: str) -> str:
+    """'forward has ...' / 'get_image_features() has ...' (`why`: either, or just 'has ...')."""
+    method = split_key(key)[1]
+    rest = why[4:] if why.startswith("has ") else why.split(" has ", 1)[-1] if " has " in why else why
+    return f"{'forward' if method is None else method + '()'} has {rest}"
+
+
+def _inside(key: str, other: str) -> bool:
+    """Whether leaf `key` can only run inside leaf module `other` (a method of it or of a submodule of
+    it, or a submodule). Whether a method calls a module is not known here: the trace finds out."""
+    owner, method = split_key(key)
+    if split_key(other)[1] is not None:
+        return False
+    return (method is not None and owner == other) or owner.startswith(other + ".")
 
 
 def _reads_values_message(where: str, why: str) -> str:
@@ -276,26 +342,27 @@ def _reads_values_message(where: str, why: str) -> str:
     )
 
 
-def _warn(root: torch.nn.Module, leaves: dict[str, str], fixed: set[str]) -> None:
+def _warn(root: torch.nn.Module, session: LeafSession, leaves: dict[str, str]) -> None:
     for path, why in leaves.items():
-        module = root.get_submodule(path)
-        params = list(module.parameters())
+        params = [t for _, t in session.state(path) if isinstance(t, torch.nn.Parameter)]
         numel = sum(p.numel() for p in params)
         how = (
-            "name it in pas_config['leaf_modules'] to skip the failed trace, or rewrite that code with tensor ops "
-            "to let it split"
+            f"name it in pas_config['leaf_modules'] ({path!r}) to skip the failed trace, or rewrite that code "
+            "with tensor ops to let it split"
             if "data-dependent" in why
             else "remove it from pas_config['leaf_modules'] to let it split"
         )
         sizes = (
             ". Its output sizes depend on input values: they are fixed to those of the dummy inputs"
-            if path in fixed
+            if path in session.fixed
             else ""
         )
+        weights = f"{len(params)} parameters ({numel} elements)"
+        weights = f"its {weights}" if split_key(path)[1] is None else f"the {weights} it uses"
         warnings.warn(
-            f"{path} ({type(module).__name__}) runs as one opaque op: {why}. Generated code runs it eagerly "
-            f"(PyTorch autograd) on every device of the plan, so its computation and its {len(params)} "
-            f"parameters ({numel} elements) are replicated, not split; {how}{sizes}",
+            f"{session.describe(path)} runs as one opaque op: {why}. Generated code runs it eagerly "
+            f"(PyTorch autograd) on every device of the plan, so its computation and {weights} are "
+            f"replicated, not split; {how}{sizes}",
             LeafModuleWarning,
             stacklevel=4,
         )
@@ -323,7 +390,7 @@ def _leaf_node(graph: Graph, node: Node, leaves: dict[str, str]) -> Node:
             "state": info["state"],
             "why": leaves.get(path, ""),
         },
-        module_path=path,
+        module_path=split_key(path)[0],
         source=info.get("source") or node.source,
-        module_class=graph.module_classes.get(path, node.module_class),
+        module_class=graph.module_classes.get(split_key(path)[0], node.module_class),
     )

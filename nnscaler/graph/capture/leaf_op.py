@@ -1,9 +1,12 @@
-"""The one op an opaque leaf module traces as (see leaf_modules.py for how leaves are chosen).
+"""The one op an opaque leaf module or method traces as (see leaf_modules.py for how leaves are chosen).
 
-While tracing, a leaf module's `forward` is replaced by a call of the torch.library op
+A leaf is named by a key: a submodule path (`model.visual`: its forward), or a method of a module
+(`model.get_image_features()`, `scatter()` for a method of the top module: see `method_key`).
+While tracing, a leaf module's `forward` (a leaf method: that method) is replaced by a call of the torch.library op
 `nnscaler_leaf::call(str path, str spec, Tensor[] inputs, Tensor[] state) -> Tensor[]`: `inputs` are
-the tensors among its arguments, `state` its parameters and buffers (so export lifts them under their
-original names, and the plan places them like any other weight), `spec` a JSON text saying how to
+the tensors among its arguments, `state` its parameters and buffers (a method's: those of its module that it
+was seen to use, `LeafSession.used`; so export lifts them under their original names, and the plan
+places them like any other weight), `spec` a JSON text saying how to
 rebuild the call (the arguments' pytree structure, their non-tensor values, the state's names). Its
 fake kernel gives the output shapes: from a run of the module on the fake inputs where that works,
 else (output sizes that depend on input values) from the module's real run on the dummy inputs,
@@ -37,6 +40,9 @@ __all__ = [
     "describe_io",
     "leaf_session",
     "state_of",
+    "method_key",
+    "split_key",
+    "BoundMethod",
 ]
 
 _LITERALS = (type(None), bool, int, float, str)
@@ -99,13 +105,45 @@ def state_of(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*module.named_parameters(), *module.named_buffers()]
 
 
+def method_key(owner: str, name: str) -> str:
+    """The leaf key of method `name` of the module at path `owner` ('' for the top module)."""
+    return f"{owner}.{name}()" if owner else f"{name}()"
+
+
+def split_key(key: str) -> tuple[str, str | None]:
+    """(module path, method name) of a leaf key; (path, None) for a leaf module (its forward)."""
+    if not key.endswith("()"):
+        return key, None
+    owner, _, name = key[:-2].rpartition(".")
+    return owner, name
+
+
+class BoundMethod(torch.nn.Module):
+    """`owner.<name>(...)` as a module's forward, so `torch.func.functional_call` can run a method on
+    other tensors: its state is named `owner.<name in owner>`."""
+
+    def __init__(self, owner: torch.nn.Module, name: str):
+        super().__init__()
+        self.owner = owner
+        self.method = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+        return getattr(self.owner, self.method)(*args, **kwargs)
+
+
 @dataclass
 class LeafSession:
     """The leaves of one capture: path -> module, and the real calls recorded on the dummy inputs."""
 
     leaves: dict[str, torch.nn.Module] = field(default_factory=dict)
+    """Leaf key -> the module (a leaf method: the module that owns it)."""
     records: dict[str, list[CallRecord]] | None = None
     """None: no real run (meta weights or inputs); output sizes must follow from input sizes."""
+    recorded: bool = False
+    """Whether the real run was tried (`records` None after it: it cannot run)."""
+    used: dict[str, list[str]] = field(default_factory=dict)
+    """Leaf method key -> names (relative to its module) of the parameters and buffers the real run saw
+    it use; a method missing here (no real run) takes all of its module's."""
     _counts: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     _structure: dict[tuple[str, int], tuple[Any, list[Any]]] = field(default_factory=dict)
     _eager: set[str] = field(default_factory=set)
@@ -123,6 +161,28 @@ class LeafSession:
         counts = self._counts.setdefault(key, {})
         counts[path] = counts.get(path, -1) + 1
         return counts[path]
+
+    def state(self, key: str) -> list[tuple[str, torch.Tensor]]:
+        """The leaf's parameters and buffers (names relative to its module), in the order the op takes them."""
+        everything = state_of(self.leaves[key])
+        if split_key(key)[1] is None or key not in self.used:
+            return everything
+        names = set(self.used[key])
+        return [(n, t) for n, t in everything if n in names]
+
+    def call(self, key: str, state: dict[str, torch.Tensor], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Run the leaf's own code on `state` instead of its module's tensors."""
+        module, method = self.leaves[key], split_key(key)[1]
+        if method is None:
+            return torch.func.functional_call(module, state, args, kwargs)
+        named = {f"owner.{n}": t for n, t in state.items()}
+        return torch.func.functional_call(BoundMethod(module, method), named, args, kwargs)
+
+    def describe(self, key: str) -> str:
+        """'model.visual (Qwen2VisionModel)' or 'model.get_image_features() (Qwen2VLModel.get_image_features)'."""
+        module, method = self.leaves[key], split_key(key)[1]
+        kind = type(module).__name__
+        return f"{key} ({kind})" if method is None else f"{key} ({kind}.{method})"
 
     @contextlib.contextmanager
     def eager(self, path: str) -> Iterator[None]:
@@ -145,33 +205,34 @@ def leaf_session(session: LeafSession) -> Iterator[None]:
     _ACTIVE.append(session)
     try:
         for path, module in session.leaves.items():
-            had = "forward" in module.__dict__
-            original = module.forward
-            module.forward = _traced_forward(session, path, module, original)
-            patched.append((module, had, original))
+            attr = split_key(path)[1] or "forward"
+            had = attr in module.__dict__
+            original = getattr(module, attr)
+            setattr(module, attr, _traced_forward(session, path, module, original))
+            patched.append((module, attr, had, original))
         yield
     finally:
-        for module, had, original in reversed(patched):
+        for module, attr, had, original in reversed(patched):
             if had:
-                module.forward = original
+                setattr(module, attr, original)
             else:
-                del module.forward
+                delattr(module, attr)
         _ACTIVE.remove(session)
 
 
 def _traced_forward(session: LeafSession, path: str, module: torch.nn.Module, original):
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if path in session._eager:
+        if session._eager:  # inside a leaf's own run (another leaf's too): its code, as written
             return original(*args, **kwargs)
         why = describe_io((args, kwargs), "its arguments")
         if why:
             raise LeafUnsuitable(
-                f"{path} ({type(module).__name__}) cannot run as an opaque op: {why}; only tensors, plain "
+                f"{session.describe(path)} cannot run as an opaque op: {why}; only tensors, plain "
                 "literals (None, bool, int, float, str) and tuples, lists and dicts of them can be passed"
             )
         flat, in_spec = pytree.tree_flatten((args, kwargs))
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-        state = state_of(module)
+        state = session.state(path)
         index = session.next_index(path, tensors + [t for _, t in state])
         session.called.add(path)
         spec = {
@@ -231,9 +292,8 @@ def _run_eagerly(path: str, spec: str, inputs: list[torch.Tensor], state: list[t
     """The op on real tensors (not used by generated code, which calls the module itself)."""
     session, info = _session(path), json.loads(spec)
     args, kwargs = rebuild_call(info, list(inputs))
-    module = session.leaves[path]
     with session.eager(path):
-        out = torch.func.functional_call(module, dict(zip(info["state"], state)), args, kwargs)
+        out = session.call(path, dict(zip(info["state"], state)), args, kwargs)
     return [t.clone() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
@@ -274,12 +334,12 @@ def _probe(session, path, module, info, inputs, state) -> tuple[Any, str]:
     args, kwargs = rebuild_call(info, inputs)
     try:
         with ignore, session.eager(path), _untracked_modules():
-            out = torch.func.functional_call(module, dict(zip(info["state"], state)), args, kwargs)
+            out = session.call(path, dict(zip(info["state"], state)), args, kwargs)
     except Exception as exc:  # noqa: BLE001 - data-dependent sizes: the recorded real call decides
         return None, (str(exc).splitlines() or [type(exc).__name__])[0]
     why = describe_io(out, "its output")
     if why:
-        raise LeafUnsuitable(f"{path} ({type(module).__name__}) cannot run as an opaque op: {why}")
+        raise LeafUnsuitable(f"{session.describe(path)} cannot run as an opaque op: {why}")
     for leaf in pytree.tree_leaves(out):
         if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             return None, "it returns a size computed from input values"
@@ -313,9 +373,7 @@ def _reads_input_values(session, path, module, info, inputs, state) -> bool:
             args, kwargs = rebuild_call(info, fakes[: len(inputs)])
             try:
                 with shape_env.ignore_fresh_unbacked_symbols(), session.eager(path), _untracked_modules():
-                    out = torch.func.functional_call(
-                        module, dict(zip(info["state"], fakes[len(inputs) :])), args, kwargs
-                    )
+                    out = session.call(path, dict(zip(info["state"], fakes[len(inputs) :])), args, kwargs)
             except Exception as exc:  # noqa: BLE001 - only value reads count
                 text = f"{type(exc).__name__}: {exc}"
                 return any(key in text for key in _VALUE_READS) or "data-dependent" in text
@@ -362,12 +420,11 @@ def _recorded(session: LeafSession, path: str, index: int, failure: str) -> Call
             else f"the real run on the dummy inputs called it {len(calls)} time(s), the trace more"
         )
         raise TraceError(
-            f"opaque leaf module {path}: its output sizes depend on input values ({_quiet(failure)}) and {where}. "
+            f"opaque leaf {'module' if split_key(path)[1] is None else 'method'} {path}: its output sizes depend on input values ({_quiet(failure)}) and {where}. "
             "Build the model with real weights and pass real dummy inputs, so nnscaler can run it once to "
             "learn them"
         )
     record = calls[index]
     if record.unsuitable:
-        kind = type(session.leaves[path]).__name__
-        raise LeafUnsuitable(f"{path} ({kind}) cannot run as an opaque op: {record.unsuitable}")
+        raise LeafUnsuitable(f"{session.describe(path)} cannot run as an opaque op: {record.unsuitable}")
     return record

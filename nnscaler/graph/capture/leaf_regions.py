@@ -1,0 +1,274 @@
+"""Where an opaque leaf can start: the functions on a failing call stack, innermost first.
+
+When torch.export fails on data-dependent Python, the smallest region that holds the failing line
+runs eagerly as one op (leaf_modules.py). A region is a method of a module of the model (its key is
+`model.get_image_features()`, or `scatter()` for a method of the top module) or a submodule's forward
+(its key is the submodule's path). The top module's forward is never one: it is the whole model.
+Plain functions (not methods) are skipped: the method that called them is the region.
+
+A leaf method's parameters and buffers are those the method uses: `record_methods` watches one real
+run on the dummy inputs (a torch function mode sees every tensor an op is given) and keeps, for each
+method, its calls (`CallRecord`) and the names of its module's tensors it passed to an op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from nnscaler.graph.capture.leaf_op import (
+    CallRecord,
+    TensorSlot,
+    describe_io,
+    method_key,
+    split_key,
+    state_of,
+)
+
+__all__ = ["stack_regions", "trace_regions", "value_read_regions", "record_methods", "method_of", "owner_of"]
+
+_SKIP = ("/torch/", "/nnscaler/")
+
+
+def _defined_by(fn: Any, code: CodeType) -> bool:
+    """Whether `fn` (through its decorators' `__wrapped__` chain) is the function compiled to `code`."""
+    seen = 0
+    while fn is not None and seen < 16:
+        fn = getattr(fn, "__func__", fn)
+        if getattr(fn, "__code__", None) is code:
+            return True
+        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
+    return False
+
+
+def method_of(module: torch.nn.Module, code: CodeType) -> str | None:
+    """The name of `module`'s method (an attribute, decorators and all) whose function is `code`."""
+    name = code.co_name
+    candidates = [name] if name in dir(module) else []
+    candidates += [n for n in vars(module) if n != name]
+    candidates += [n for k in type(module).__mro__ for n in vars(k) if n != name]
+    for attr in dict.fromkeys(candidates):
+        fn = module.__dict__.get(attr)
+        if fn is None:
+            fn = next((vars(k)[attr] for k in type(module).__mro__ if attr in vars(k)), None)
+        if isinstance(fn, (staticmethod, classmethod)):
+            continue
+        if callable(fn) and _defined_by(fn, code):
+            return attr
+    return None
+
+
+def _region(path: str, module: torch.nn.Module, code: CodeType) -> str | None:
+    name = method_of(module, code)
+    if name is None or name.startswith("__"):
+        return None
+    if name == "forward":
+        return path or None  # the top module's forward is the whole model
+    return method_key(path, name)
+
+
+def _frames(exc: BaseException) -> list[FrameType]:
+    """The frames of `exc` and of the exceptions it came from, outermost first."""
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return [frame for cause in chain for frame, _ in traceback.walk_tb(cause.__traceback__)]
+
+
+def stack_regions(exc: BaseException, root: torch.nn.Module) -> list[str]:
+    """Keys of the regions whose code is on the failing call stack, innermost first."""
+    return _regions_of(_frames(exc), root)
+
+
+def trace_regions(stack_trace: str, paths: list[str], root: torch.nn.Module) -> list[str]:
+    """Keys of the regions around a traced node, innermost first, from its `stack_trace` (the user
+    functions it was called from) and the module paths of its `nn_module_stack` (innermost first)."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', stack_trace or "")
+    user = [(f, int(n), fn) for f, n, fn in frames if not any(s in f for s in _SKIP)][::-1]
+    owners = [*paths, ""]
+    found: list[str] = []
+    for filename, line, fn in user:
+        for path in owners:
+            module = root.get_submodule(path) if path else root
+            key = _named_region(path, module, fn, filename, line)
+            if key is not None:
+                if key not in found:
+                    found.append(key)
+                break
+    for path in paths:  # a submodule's forward holds the node even where its frame was not named
+        if path not in found:
+            found.append(path)
+    return found
+
+
+def _named_region(path: str, module: torch.nn.Module, fn: str, filename: str, line: int) -> str | None:
+    for attr in dict.fromkeys([fn, *(n for k in type(module).__mro__ for n in vars(k))]):
+        value = module.__dict__.get(attr) or next(
+            (vars(k)[attr] for k in type(module).__mro__ if attr in vars(k)), None
+        )
+        code = _innermost_code(value)
+        if code is None or code.co_name != fn or code.co_filename != filename:
+            continue
+        if code.co_firstlineno <= line:
+            return _region(path, module, code)
+    return None
+
+
+def _innermost_code(fn: Any) -> CodeType | None:
+    code = None
+    for _ in range(16):
+        fn = getattr(fn, "__func__", fn)
+        code = getattr(fn, "__code__", code)
+        if getattr(fn, "__wrapped__", None) is None:
+            return code
+        fn = fn.__wrapped__
+    return code
+
+
+_READS = frozenset(
+    {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero", "masked_select", "unique"}
+)
+
+
+class _ValueRead(Exception):
+    """Raised at the first read of a tensor's values outside the skipped regions (its traceback says where)."""
+
+
+class _WatchReads(TorchFunctionMode):
+    def __init__(self, root: torch.nn.Module, skip: Callable[[list[str]], bool]):
+        super().__init__()
+        self.root, self.skip = root, skip
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        if getattr(func, "__name__", "") in _READS:
+            frames = _caller_frames()
+            if not self.skip(_regions_of(frames, self.root)):
+                raise _ValueRead(_user_line(frames))
+        return func(*args, **(kwargs or {}))
+
+
+def _caller_frames() -> list[FrameType]:
+    frames, frame = [], sys._getframe(1)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames[::-1]
+
+
+def _user_line(frames: list[FrameType]) -> str:
+    for frame in reversed(frames):
+        if not any(s in frame.f_code.co_filename for s in _SKIP):
+            info = traceback.extract_stack(frame, limit=1)[-1]
+            return f"{os.path.basename(info.filename)}:{info.lineno} `{(info.line or '').strip()}`"
+    return "an unknown line"
+
+
+def value_read_regions(
+    root: torch.nn.Module, run: Callable[[], Any], skip: Callable[[list[str]], bool]
+) -> tuple[list[str], str] | None:
+    """`run()` (a real forward) stopped at the first read of a tensor's values (`.tolist()`, `.item()`,
+    `nonzero`...) whose regions (innermost first) `skip` does not accept: those regions and the source
+    line. None when it reads none (or fails otherwise)."""
+    stack: list[list[str]] = []
+
+    def keep(regions: list[str]) -> bool:
+        if skip(regions):
+            return True
+        stack.append(regions)
+        return False
+
+    try:
+        with _WatchReads(root, keep):
+            run()
+    except _ValueRead as exc:
+        return (stack[-1], str(exc)) if stack else None
+    except Exception:  # noqa: BLE001 - the model fails eagerly: nothing to say here
+        return None
+    return None
+
+
+def _regions_of(frames: list[FrameType], root: torch.nn.Module) -> list[str]:
+    paths = {id(m): p for p, m in root.named_modules()}
+    found: list[str] = []
+    for frame in frames:
+        if any(s in frame.f_code.co_filename for s in _SKIP):
+            continue
+        module = frame.f_locals.get("self")
+        path = paths.get(id(module))
+        if path is None:
+            continue
+        key = _region(path, module, frame.f_code)
+        if key is not None and key not in found:
+            found.append(key)
+    return found[::-1]
+
+
+def owner_of(root: torch.nn.Module, key: str) -> torch.nn.Module:
+    """The module a leaf key runs (a method's: the module that owns it)."""
+    path = split_key(key)[0]
+    return root.get_submodule(path) if path else root
+
+
+class _Uses(TorchFunctionMode):
+    """Records which of the given tensors an op was given."""
+
+    def __init__(self, names: dict[int, str], seen: set[str]):
+        super().__init__()
+        self.names, self.seen = names, seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            name = self.names.get(id(leaf))
+            if name is not None:
+                self.seen.add(name)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def record_methods(
+    root: torch.nn.Module, keys: list[str], records: dict[str, list[CallRecord]], used: dict[str, list[str]]
+) -> Iterator[None]:
+    """Inside (one real run of `root`), each leaf method of `keys` records its calls into `records` and
+    the names of its module's tensors it uses into `used`."""
+    patched = []
+    try:
+        for key in keys:
+            owner, name = owner_of(root, key), split_key(key)[1]
+            had, original = name in owner.__dict__, getattr(owner, name)
+            names = {id(t): n for n, t in state_of(owner)}
+            seen: set[str] = set()
+            used[key] = []
+
+            def watched(*args, _key=key, _original=original, _names=names, _seen=seen, **kwargs):
+                with _Uses(_names, _seen):
+                    out = _original(*args, **kwargs)
+                leaves, spec = pytree.tree_flatten(out)
+                slots = tuple(
+                    TensorSlot(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves
+                )
+                why = describe_io((args, kwargs), "its arguments") or describe_io(out, "its output")
+                records.setdefault(_key, []).append(CallRecord(spec, slots, why))
+                used[_key] = [n for n, _ in state_of(owner_of(root, _key)) if n in _seen]
+                return out
+
+            setattr(owner, name, watched)
+            patched.append((owner, name, had, original))
+        yield
+    finally:
+        for owner, name, had, original in reversed(patched):
+            if had:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
