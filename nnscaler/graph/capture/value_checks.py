@@ -145,17 +145,15 @@ def _wanted(test: ast.expr, want: bool) -> bool | None:
     return wants.pop() if walk(test, want) and len(wants) == 1 else None
 
 
-def _user_frame(after: types.CodeType | None = None) -> types.FrameType | None:
+def _user_frame(skip_torch: bool = False) -> types.FrameType | None:
     """The frame that asked for the tensor's value: the first one outside torch's dispatch (the modes'
-    `__torch_function__`) and this module, or the caller of the function `after` (torch._assert);
+    `__torch_function__`) and this module (`skip_torch`: outside torch, for torch._assert's caller);
     None when that is torch's or nnscaler's own code."""
     frame = sys._getframe(1)
-    if after is not None:
-        while frame is not None and frame.f_code is not after:
-            frame = frame.f_back
-        frame = frame.f_back if frame is not None else None
     while frame is not None and (
-        frame.f_code.co_name == "__torch_function__" or frame.f_code.co_filename == __file__
+        frame.f_code.co_name == "__torch_function__"
+        or frame.f_code.co_filename == __file__
+        or (skip_torch and frame.f_code.co_filename.startswith(_TORCH_DIR))
     ):
         frame = frame.f_back
     if frame is None or frame.f_code.co_filename.startswith((_TORCH_DIR, _NNSCALER_DIR)):
@@ -241,7 +239,7 @@ class _ValueCheckMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch._assert and args and _traced(args[0]):
-            frame = _user_frame(after=torch._assert.__code__)
+            frame = _user_frame(skip_torch=True)
             if frame is not None:
                 message = args[1] if len(args) > 1 else kwargs.get("message", "")
                 text = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
