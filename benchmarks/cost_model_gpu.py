@@ -175,8 +175,12 @@ def main() -> None:
         import nnscaler
 
         nnscaler.init()
-        rows = [_one_length(args, int(s), device, Path(tmp)) for s in args.seqs.split(",")]
-        nnscaler.uninit()
+        try:  # an error must end the script: a process group left open keeps NCCL's threads (and it) alive
+            rows = [_one_length(args, int(s), device, Path(tmp)) for s in args.seqs.split(",")]
+        finally:
+            nnscaler.uninit()
+            if dist.is_initialized():
+                dist.destroy_process_group()
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     print(
         json.dumps(
