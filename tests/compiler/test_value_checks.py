@@ -84,7 +84,7 @@ def test_every_form_is_recorded_with_its_exception_and_message():
     assert found[3] == (False, "AssertionError", "the first id must not be 7")
     # `a or b` in an if: each checked on its own; `.item() > n` compares as a tensor
     assert [f[:2] for f in found[4:]] == [(True, "ValueError"), (True, "ValueError")]
-    assert found[4][2] == 'raise ValueError(f"x too large: {x.abs().max()}")'
+    assert found[4][2] == "raise ValueError(f'x too large: {x.abs().max()}')"
 
 
 def test_generated_module_raises_the_models_message_and_runs_good_inputs(tmp_path):

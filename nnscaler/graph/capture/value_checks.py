@@ -203,7 +203,7 @@ def _exception(stmt: ast.stmt, frame: types.FrameType, source: str) -> tuple[str
         try:
             return "AssertionError", str(_eval(stmt.msg, frame, source))
         except Exception:  # noqa: BLE001 - the message needs tensor values: its source stands in
-            return "AssertionError", ast.get_source_segment(source, stmt.msg) or ""
+            return "AssertionError", ast.unparse(stmt.msg)
     raise_stmt = stmt.body[0]
     exc = raise_stmt.exc
     try:
@@ -221,7 +221,7 @@ def _exception(stmt: ast.stmt, frame: types.FrameType, source: str) -> tuple[str
             cls = found if isinstance(found, type) and issubclass(found, BaseException) else cls
         except Exception:  # noqa: BLE001 - the class cannot be named: RuntimeError with the source text
             pass
-    return _class_name(cls), ast.get_source_segment(source, raise_stmt) or "raise"
+    return _class_name(cls), ast.unparse(raise_stmt)  # one line, however the source wraps it
 
 
 def _record(cond: torch.Tensor, raise_when: bool, exc: str, message: str, where: str) -> None:
