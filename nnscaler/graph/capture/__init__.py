@@ -11,6 +11,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from nnscaler.errors import TraceError
+from nnscaler.graph.capture.attention_fuse import fuse_attention
 from nnscaler.graph.capture.autograd_fn import name_autograd_functions, opaque_autograd_functions
 from nnscaler.graph.capture.convert import convert_exported
 from nnscaler.graph.capture.ctc_loss import ctc_loss_shapes
@@ -94,6 +95,7 @@ def _capture(
         # ...and submodules it cannot capture (named, or failing on data-dependent code) stay opaque
         ep, leaves = capture_with_leaves(module, kwargs, export, trace, leaf_modules, auto_leaf_modules)
     graph = mark_leaf_nodes(name_autograd_functions(convert_exported(ep, module, forward_args)), leaves)
+    graph = fuse_attention(graph)  # attention written by hand becomes one SDPA node (attention_fuse.py)
     return dataclasses.replace(
         graph, untraced_args=untraced_defaults(module, forward_args), static_shapes=static_shapes
     )

@@ -21,6 +21,7 @@ __all__ = [
     "pair_masks",
     "block_forward",
     "block_backward",
+    "sum_to",
     "merge_into",
 ]
 
@@ -56,11 +57,11 @@ def take_rows(x: torch.Tensor, segs: tuple[Seg, ...], dim: int = -2) -> torch.Te
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def add_rows(acc: torch.Tensor, segs: tuple[Seg, ...], value: torch.Tensor) -> None:
-    """`acc[rows of segs] += value` (value holds those rows concatenated), in place."""
+def add_rows(acc: torch.Tensor, segs: tuple[Seg, ...], value: torch.Tensor, dim: int = -2) -> None:
+    """`acc[rows of segs] += value` (value holds those rows concatenated, along `dim`), in place."""
     at = 0
     for start, length in _merged(segs):
-        acc.narrow(-2, start, length).add_(value.narrow(-2, at, length))
+        acc.narrow(dim, start, length).add_(value.narrow(dim, at, length))
         at += length
 
 
@@ -131,9 +132,10 @@ def _block_backward(
     dout: torch.Tensor,
     delta: torch.Tensor,
     lse: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one block, given the final rows' log-sum-exp `lse` and
-    `delta` = rowsum(dout * out) of the final output (dout, delta, lse in the acc dtype)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, ds) of one block, given the final rows' log-sum-exp `lse` and
+    `delta` = rowsum(dout * out) of the final output (dout, delta, lse in the acc dtype); `ds` is the
+    gradient of the scores after scaling, i.e. of an additive bias."""
     s = _scores(q, k, scale, allowed, bias)
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     p = torch.exp(s - safe.unsqueeze(-1))
@@ -142,7 +144,7 @@ def _block_backward(
     ds = p * (dp - delta.unsqueeze(-1))
     dq = torch.matmul(ds, k.to(s.dtype)) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q.to(s.dtype)) * scale
-    return dq, dk, dv
+    return dq, dk, dv, ds
 
 
 TILE_ELEMENTS = 1 << 16
@@ -201,28 +203,50 @@ def block_backward(
     dout: torch.Tensor,
     delta: torch.Tensor,
     lse: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one block (see `_block_backward`), in tiles of query rows."""
+    bias_grad: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of one block (see `_block_backward`), in tiles of query rows; with `bias_grad`
+    also the gradient of `bias` (summed over the dims it broadcasts along)."""
     tiles = _tiles(q.shape[-2], k.shape[-2])
-    if len(tiles) == 1:
-        return _block_backward(q, k, v, scale, allowed, bias, dout, delta, lse)
-    dqs, dk, dv = [], None, None
+    dqs, dk, dv, dbias = [], None, None, []
     for start, length in tiles:
-        dq_t, dk_t, dv_t = _block_backward(
-            q.narrow(-2, start, length),
+        whole = len(tiles) == 1
+        bias_t = bias if whole else _row_slice(bias, start, length)
+        dq_t, dk_t, dv_t, ds_t = _block_backward(
+            q if whole else q.narrow(-2, start, length),
             k,
             v,
             scale,
-            _row_slice(allowed, start, length),
-            _row_slice(bias, start, length),
-            dout.narrow(-2, start, length),
-            delta.narrow(-1, start, length),
-            lse.narrow(-1, start, length),
+            allowed if whole else _row_slice(allowed, start, length),
+            bias_t,
+            dout if whole else dout.narrow(-2, start, length),
+            delta if whole else delta.narrow(-1, start, length),
+            lse if whole else lse.narrow(-1, start, length),
         )
         dqs.append(dq_t)
         dk = dk_t if dk is None else dk.add_(dk_t)
         dv = dv_t if dv is None else dv.add_(dv_t)
-    return torch.cat(dqs, dim=-2), dk, dv
+        if bias_grad and bias is not None:
+            dbias.append(sum_to(ds_t, bias_t.shape))
+    dq = dqs[0] if len(dqs) == 1 else torch.cat(dqs, dim=-2)
+    if not bias_grad:
+        return dq, dk, dv
+    if bias is None:
+        return dq, dk, dv, None
+    if bias.shape[-2] == 1:  # one broadcast row: the tiles' sums add up
+        return dq, dk, dv, torch.stack(dbias).sum(0)
+    return dq, dk, dv, dbias[0] if len(dbias) == 1 else torch.cat(dbias, dim=-2)
+
+
+def sum_to(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`x` summed over the dims a tensor of `shape` broadcasts along to reach it (as autograd does)."""
+    shape = tuple(shape)
+    if x.shape == shape:
+        return x
+    lead = x.dim() - len(shape)
+    x = x.sum(tuple(range(lead))) if lead else x
+    dims = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return x.sum(dims, keepdim=True) if dims else x
 
 
 def merge_into(

@@ -11,6 +11,7 @@ The batches follow `schedule.forward_batches` / `schedule.backward_batches` exac
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,8 @@ class RingSpec:
     scale: float
     gqa: int = 1
     """Query heads per kv head."""
+    mask_grad: bool = False
+    """Whether the backward computes the gradient of a float mask (an additive bias that requires one)."""
 
 
 def _where(group: Any) -> tuple[int, int]:
@@ -172,12 +175,12 @@ def _ring_forward(
     return out, lse
 
 
-def _backward_step(q, kb, vb, mask, pairs, spec, dout, delta, lse, dq, dkb, dvb) -> None:  # noqa: ANN001
+def _backward_step(q, kb, vb, mask, pairs, spec, dout, delta, lse, dq, dkb, dvb, dmask) -> None:  # noqa: ANN001
     for pair in pairs:
         rows = pair.q_local
         allowed, bias = pair_masks(mask, pair, q.device)
         k, v = _kv_block(kb, vb, pair, spec.gqa)
-        dqp, dkp, dvp = block_backward(
+        grads = block_backward(
             q.narrow(-2, *rows),
             k,
             v,
@@ -187,10 +190,18 @@ def _backward_step(q, kb, vb, mask, pairs, spec, dout, delta, lse, dq, dkb, dvb)
             dout.narrow(-2, *rows),
             delta.narrow(-1, *rows),
             lse.narrow(-1, *rows),
+            bias_grad=dmask is not None,
         )
+        dqp, dkp, dvp = grads[:3]
         dq.narrow(-2, *rows).add_(dqp)
         add_rows(dkb, pair.kv_local, reduce_kv(dkp, spec.gqa))
         add_rows(dvb, pair.kv_local, reduce_kv(dvp, spec.gqa))
+        if dmask is not None:  # the bias block's gradient, back to its rows and key columns
+            block = dmask if dmask.shape[-2] == 1 else dmask.narrow(-2, *rows)
+            if dmask.shape[-1] == 1:
+                block.add_(grads[3])
+            else:
+                add_rows(block, pair.kv_global, grads[3], dim=-1)
 
 
 def _ring_backward(
@@ -199,6 +210,8 @@ def _ring_backward(
     q, k, v, out, lse, mask = saved
     n, pos = _where(spec.group)
     dt = acc_dtype(q.dtype)
+    grad_mask = mask is not None and mask.is_floating_point() and spec.mask_grad
+    dmask = torch.zeros(mask.shape, dtype=dt, device=mask.device) if grad_mask else None
     dout = dout.to(dt)
     delta = (dout * out.to(dt)).sum(-1)
     dq = torch.zeros(q.shape, dtype=dt, device=q.device)
@@ -212,9 +225,9 @@ def _ring_backward(
         dkb = torch.zeros(k.shape, dtype=dt, device=k.device)
         dvb = torch.zeros(v.shape, dtype=dt, device=v.device)
         pairs = _pairs(spec, pos, (pos - t) % n)
-        _backward_step(q, kb, vb, mask, pairs, spec, dout, delta, lse, dq, dkb, dvb)
+        _backward_step(q, kb, vb, mask, pairs, spec, dout, delta, lse, dq, dkb, dvb, dmask)
         if n == 1:
-            return dq, dkb, dvb
+            return dq, dkb, dvb, dmask
         dkv = _pack(dkb, dvb)
         if dkv_pending is not None:  # the accumulator of this block, from the ranks before
             _wait(dkv_pending[1])
@@ -225,7 +238,7 @@ def _ring_backward(
             kv = kv_pending[0]
     _wait(dkv_pending[1])  # every block's accumulator is back at its owner
     dk, dv = _unpack(dkv_pending[0], (k.shape, v.shape))
-    return dq, dk, dv
+    return dq, dk, dv, dmask
 
 
 class _RingAttention(torch.autograd.Function):
@@ -233,15 +246,17 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q, k, v, mask, spec: RingSpec) -> torch.Tensor:  # noqa: ANN001
         out, lse = _ring_forward(q, k, v, mask, spec)
         out = out.to(q.dtype)
-        ctx.spec = spec
+        ctx.spec = dataclasses.replace(spec, mask_grad=ctx.needs_input_grad[3])
         ctx.save_for_backward(q, k, v, out, lse, mask)
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v = ctx.saved_tensors[:3]
-        dq, dk, dv = _ring_backward(dout, ctx.saved_tensors, ctx.spec)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq, dk, dv, dmask = _ring_backward(dout, ctx.saved_tensors, ctx.spec)
+        mask = ctx.saved_tensors[5]
+        dmask = dmask.to(mask.dtype) if dmask is not None else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask, None
 
 
 def ring_attention(
@@ -250,7 +265,8 @@ def ring_attention(
     """Attention of this position's rows of q against all keys of the ring, with autograd.
 
     q: (..., Hq, L, D), k: (..., Hkv, L, D), v: (..., Hkv, L, E) holding the rows
-    `spec.layout[pos]`; `mask` (bool or additive float, no grad) has this rank's rows in the same
+    `spec.layout[pos]`; `mask` (bool, or an additive float bias, which gets its gradient when it
+    requires one) has this rank's rows in the same
     local order (or one row) and all S global columns (or one column).
     """
     return _RingAttention.apply(q, k, v, mask, spec)

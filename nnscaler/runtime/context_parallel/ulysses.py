@@ -25,15 +25,37 @@ def kv_repeats(hkv: int, u: int) -> int:
     return u // math.gcd(hkv, u)
 
 
-def gather_mask_rows(mask: torch.Tensor | None, group: Any) -> torch.Tensor | None:
-    """All-gather the mask's rows over `group` (rank order = sequence order); no grad."""
-    if mask is None or mask.shape[-2] == 1:
-        return mask
+def _gather_rows(mask: torch.Tensor, group: Any) -> torch.Tensor:
     wire = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else mask.contiguous()
     parts = [torch.empty_like(wire) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, wire, group=group)
     full = torch.cat(parts, dim=-2)
     return full.view(torch.bool) if mask.dtype == torch.bool else full
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather of an additive bias's rows; backward: every rank's gradient summed, this rank's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, mask: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group, ctx.rows = group, mask.shape[-2]
+        return _gather_rows(mask, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.narrow(-2, dist.get_rank(ctx.group) * ctx.rows, ctx.rows).contiguous(), None
+
+
+def gather_mask_rows(mask: torch.Tensor | None, group: Any) -> torch.Tensor | None:
+    """All-gather the mask's rows over `group` (rank order = sequence order); a float mask that
+    requires grad (an additive bias) gets its rows' gradient back."""
+    if mask is None or mask.shape[-2] == 1:
+        return mask
+    if mask.requires_grad and mask.is_floating_point():
+        return _GatherRows.apply(mask, group)
+    return _gather_rows(mask, group)
 
 
 def _mask_heads(mask: torch.Tensor | None, hq: int, group: Any) -> torch.Tensor | None:

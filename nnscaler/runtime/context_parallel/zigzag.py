@@ -3,7 +3,7 @@ attention's group moves whole fine chunks (S/2N rows) to the ranks that need the
 (the backward runs the inverse all-to-all on the gradient).
 
 q, k and v travel in one all-to-all (flattened beside the sequence dim and concatenated); the mask
-rows, which get no gradient, in a second one; the output back in a third.
+rows in a second one (with autograd where a float mask requires grad); the output back in a third.
 """
 
 from __future__ import annotations

@@ -1,0 +1,145 @@
+"""Attention written by hand, for the attention-pattern pass (graph/capture/attention_pattern.py).
+
+- `build_alibi`: BLOOM-style decoder: one fused QKV linear whose output is `(heads, 3, head_dim)` per
+  token, `(batch*heads, seq, head_dim)` operands, scores from `alibi.baddbmm(q, k^T, beta=1,
+  alpha=1/sqrt(d))` with an ALiBi bias `(batch*heads, 1, seq)` made in the forward, a causal mask by
+  `masked_fill(..., -inf)`, softmax with a float32 cast, dropout (p=0) and `torch.bmm` with the values.
+- `build_einsum_relpos`: attention written with `torch.einsum` ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"),
+  the scale a division by a constant, a learned relative-position bias per head (a table indexed by
+  the clamped distance key - query) added to the scores, and a causal mask by `torch.where`.
+
+Both are tiny (a few thousand parameters), fp32, in train mode; `make_batch(seed, batch_size)` gives
+token ids and labels of length SEQ (divisible by 4, as zigzag over 2 devices needs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["build_alibi", "build_einsum_relpos", "SEQ"]
+
+SEQ = 16
+VOCAB = 32
+WIDTH = 16
+HEADS = 4
+LAYERS = 2
+
+
+def _tokens(seed: int, batch_size: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=g)
+    return {"input_ids": tokens[:, :-1].clone(), "labels": tokens[:, 1:].clone()}
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """ALiBi's per-head slopes 2^(-8 i / heads) (heads a power of two)."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)])
+
+
+class AlibiAttention(nn.Module):
+    """BLOOM's attention: fused QKV, (b*h, s, d) operands, baddbmm with the ALiBi bias, bmm."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, width // heads
+        self.query_key_value = nn.Linear(width, 3 * width)
+        self.dense = nn.Linear(width, width)
+        self.attention_dropout = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor, alibi: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h, d = self.heads, self.head_dim
+        fused = self.query_key_value(x).view(b, s, h, 3, d)
+        q = fused[..., 0, :].transpose(1, 2).reshape(b * h, s, d)
+        k = fused[..., 1, :].permute(0, 2, 3, 1).reshape(b * h, d, s)
+        v = fused[..., 2, :].transpose(1, 2).reshape(b * h, s, d)
+        scores = alibi.baddbmm(batch1=q, batch2=k, beta=1.0, alpha=1.0 / math.sqrt(d))
+        scores = scores.view(b, h, s, s).masked_fill(causal, float("-inf"))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+        probs = self.attention_dropout(probs).view(b * h, s, s)
+        ctx = torch.bmm(probs, v).view(b, h, s, d).permute(0, 2, 1, 3).reshape(b, s, h * d)
+        return self.dense(ctx)
+
+
+class EinsumAttention(nn.Module):
+    """Attention written with einsum, a learned relative-position bias and a causal `where`."""
+
+    def __init__(self, width: int, heads: int, max_distance: int = 8):
+        super().__init__()
+        self.heads, self.head_dim, self.max_distance = heads, width // heads, max_distance
+        self.q = nn.Linear(width, width, bias=False)
+        self.k = nn.Linear(width, width, bias=False)
+        self.v = nn.Linear(width, width, bias=False)
+        self.o = nn.Linear(width, width, bias=False)
+        self.rel_bias = nn.Embedding(2 * max_distance + 1, heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h, d = self.heads, self.head_dim
+        q = self.q(x).view(b, s, h, d).transpose(1, 2)
+        k = self.k(x).view(b, s, h, d).transpose(1, 2)
+        v = self.v(x).view(b, s, h, d).transpose(1, 2)
+        pos = torch.arange(s, device=x.device)
+        distance = (pos[None, :] - pos[:, None]).clamp(-self.max_distance, self.max_distance)
+        bias = self.rel_bias(distance + self.max_distance).permute(2, 0, 1).unsqueeze(0)  # (1, h, s, s)
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(d) + bias
+        causal = pos[None, :] <= pos[:, None]
+        scores = torch.where(causal, scores, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        ctx = torch.einsum("bhqk,bhkd->bhqd", probs, v)
+        return self.o(ctx.transpose(1, 2).reshape(b, s, h * d))
+
+
+class Block(nn.Module):
+    def __init__(self, attention: nn.Module, width: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = attention
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), *extra)
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class Decoder(nn.Module):
+    """Token embedding, LAYERS blocks, a final norm and an untied head; forward returns the LM loss."""
+
+    def __init__(self, alibi: bool):
+        super().__init__()
+        self.alibi = alibi
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        make = (lambda: AlibiAttention(WIDTH, HEADS)) if alibi else (lambda: EinsumAttention(WIDTH, HEADS))
+        self.blocks = nn.ModuleList(Block(make(), WIDTH) for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.register_buffer("slopes", alibi_slopes(HEADS), persistent=False)
+
+    def _alibi(self, b: int, s: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """BLOOM's (b*h, 1, s) bias slope * key position, and the causal mask (True = hidden)."""
+        pos = torch.arange(s, device=device, dtype=torch.float32)
+        alibi = (self.slopes[:, None] * pos[None, :]).expand(b, HEADS, s).reshape(b * HEADS, 1, s)
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)
+        return alibi, causal[None, None]
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        extra = self._alibi(*input_ids.shape, x.device) if self.alibi else ()
+        for block in self.blocks:
+            x = block(x, *extra)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def build_alibi(seed: int = 0):
+    torch.manual_seed(seed)
+    return Decoder(alibi=True).train(), _tokens
+
+
+def build_einsum_relpos(seed: int = 0):
+    torch.manual_seed(seed)
+    return Decoder(alibi=False).train(), _tokens
