@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nnscaler.graph.ir import Graph, Layout, Node, Ref, Shard, graph_fact, iter_refs
+from nnscaler.graph.ops import annotate_node
 
 __all__ = ["WeightedOp", "weighted_op", "derived_from", "tensor_refs", "node_index", "where"]
 
@@ -63,8 +64,32 @@ def derived_from(graph: Graph, value: str, kind: str, depth: int = 4) -> bool:
     return len(node.input_names()) == 1 and derived_from(graph, node.input_names()[0], kind, depth - 1)
 
 
+def _einsum_projection(graph: Graph, node: Node) -> WeightedOp | None:
+    """An einsum of an activation and a 2-D weight that sums one shared letter k and brings one letter n
+    of the weight's into the output, e.g. "bsd,fd->bsf": a linear on k (any dim of the activation)."""
+    refs = tensor_refs(graph, node)
+    if len(refs) != 2:
+        return None
+    is_param = [derived_from(graph, r.name, "param") for r in refs]
+    if is_param.count(True) != 1:
+        return None
+    w_idx = is_param.index(True)
+    bound = annotate_node(node, graph)
+    x_anno, w_anno = bound.anno.inputs[1 - w_idx], bound.anno.inputs[w_idx]
+    w_ids, x_ids, out_ids = w_anno.ids(), x_anno.ids(), bound.anno.outputs[0].ids()
+    k = [i for i in w_ids if i in x_ids and bound.anno.flag_of(i) == "+"]
+    n = [i for i in w_ids if i in out_ids and i not in x_ids and bound.anno.flag_of(i) == ""]
+    if len(w_ids) != 2 or len(k) != 1 or len(n) != 1 or x_ids.count(k[0]) != 1:
+        return None
+    channel_first = out_ids[-1] != n[0]  # features not last: no blocks from a downstream reshape
+    x = refs[1 - w_idx].name
+    return WeightedOp(node, x, refs[w_idx].name, w_idx, k[0], n[0], x_ids.index(k[0]), channel_first)
+
+
 def weighted_op(graph: Graph, node: Node) -> WeightedOp | None:
     """The node as a weighted op, or None (not such an op, or its weight is not a parameter)."""
+    if node.op == "aten.einsum.default":
+        return _einsum_projection(graph, node)
     spec = _WEIGHTED.get(node.op)
     if spec is None:
         return None

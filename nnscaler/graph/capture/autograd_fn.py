@@ -43,7 +43,6 @@ _OPS: dict[tuple, Any] = {}  # (Function class, argument kinds, output count) ->
 _NAMES: dict[str, str] = {}  # 'nnscaler_autograd.<name>.default' -> 'module:Qualname.apply'
 _CLASSES: dict[str, type] = {}  # 'module:Qualname.apply' -> the Function
 _PROBED: dict[tuple, str | None] = {}  # (op, input metas, non-tensor args) -> probed annotation
-PROBED_FAMILY = "probed"
 _INTERNAL = ("torch.", "nnscaler.", "functorch.")
 
 
@@ -256,7 +255,7 @@ def _annotate_by_probing(graph: Graph) -> None:
             calls.setdefault(node.op, []).append(node)
     for op, nodes in calls.items():
         rule = get_rule(op)
-        if rule is not None and rule.family != PROBED_FAMILY:
+        if rule is not None and rule.annotate is not _probed_rule:
             continue  # the user's register_op annotation
         if all(_probed(op_call(n, graph)) is not None for n in nodes):
-            register_rule(OpRule(op, _probed_rule, PROBED_FAMILY))
+            register_rule(OpRule(op, _probed_rule, "user"))  # a user op, as if registered
