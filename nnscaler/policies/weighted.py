@@ -65,8 +65,10 @@ def derived_from(graph: Graph, value: str, kind: str, depth: int = 4) -> bool:
 
 
 def _einsum_projection(graph: Graph, node: Node) -> WeightedOp | None:
-    """An einsum of an activation and a 2-D weight that sums one shared letter k and brings one letter n
-    of the weight's into the output, e.g. "bsd,fd->bsf": a linear on k (any dim of the activation)."""
+    """An einsum of an activation and a weight (a parameter): a linear when every letter of the weight
+    is either summed with the activation (input features, k: the outermost of them) or new in the
+    output (output features, n: the outermost of them), e.g. "bsd,fd->bsf" or, by heads, "bsd,hde->bhse"
+    (column-parallel on h) and "bhse,hed->bsd" (row-parallel on h)."""
     refs = tensor_refs(graph, node)
     if len(refs) != 2:
         return None
@@ -79,7 +81,7 @@ def _einsum_projection(graph: Graph, node: Node) -> WeightedOp | None:
     w_ids, x_ids, out_ids = w_anno.ids(), x_anno.ids(), bound.anno.outputs[0].ids()
     k = [i for i in w_ids if i in x_ids and bound.anno.flag_of(i) == "+"]
     n = [i for i in w_ids if i in out_ids and i not in x_ids and bound.anno.flag_of(i) == ""]
-    if len(w_ids) != 2 or len(k) != 1 or len(n) != 1 or x_ids.count(k[0]) != 1:
+    if not k or not n or len(k) + len(n) != len(w_ids) or x_ids.count(k[0]) != 1:
         return None
     channel_first = out_ids[-1] != n[0]  # features not last: no blocks from a downstream reshape
     x = refs[1 - w_idx].name
