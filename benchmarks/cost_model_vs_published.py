@@ -29,7 +29,8 @@ from nnscaler.graph.capture import capture
 from nnscaler.policies.autodist import load_cluster, planner_setup, search
 from nnscaler.policies.autodist.evaluate import evaluate_nodes
 from nnscaler.policies.autodist.memory import MemoryModel
-from nnscaler.policies.staging import balanced_starts, default_pivots, pivot_starts
+from nnscaler.policies.stage_balance import balanced_starts
+from nnscaler.policies.staging import default_pivots, pivot_starts
 from nnscaler.policies.tp import pas_tp
 
 PEAK = 989e12

@@ -38,7 +38,7 @@ from nnscaler.policies.autodist.evaluate import evaluate_nodes  # noqa: E402
 from nnscaler.policies.autodist.layers import layer_instances  # noqa: E402
 from nnscaler.policies.autodist.offline import plan_offline  # noqa: E402
 from nnscaler.policies.autodist.recipes import Recipe, standard_recipes  # noqa: E402
-from nnscaler.policies.staging import balanced_starts  # noqa: E402
+from nnscaler.policies.stage_balance import balanced_starts  # noqa: E402
 from nnscaler.policies.tp import pas_tp  # noqa: E402
 
 

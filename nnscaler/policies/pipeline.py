@@ -2,14 +2,16 @@
 
 pas_config keys (typed in nnscaler.policies.options, PpOptions / HybridOptions): `pipeline_nstages`
 (int or 'auto'), `pipeline_nmicros` (required), `pipeline_scheduler` ('1f1b' default, 'gpipe',
-'1f1b_interleaved'), `pipeline_pivots` (module class names where stages may start; default: the class
-of the repeated layers), `pipeline_stages` (module paths where stages 1.. start, instead of balancing),
+'1f1b_interleaved'), `pipeline_pivots` (module class names where stages may start; default: the
+model's blocks, finer where they are too unequal to balance: stage_balance.py),
+`pipeline_stages` (module paths where stages 1.. start, instead of balancing),
 and for `hybrid` `pp_size` (device groups; default `pipeline_nstages`, tensor parallelism inside each
 group over plan_ngpus // pp_size devices).
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 from nnscaler.config import ComputeConfig
@@ -20,17 +22,15 @@ from nnscaler.policies.expert_parallel import check_ep_size, with_expert_paralle
 from nnscaler.policies.nccl_sim import check_nccl
 from nnscaler.policies.options import HybridOptions, PipelineOptions, PpOptions
 from nnscaler.policies.plan import SCHEDULERS, NodePlan, PipelinePlan, Plan
+from nnscaler.policies.recompute import recompute_paths
 from nnscaler.policies.schedules import simulate
-from nnscaler.policies.staging import (
-    balanced_starts,
-    default_pivots,
-    explicit_starts,
-    parse_pivots,
-    pivot_starts,
-)
+from nnscaler.policies.stage_balance import balanced_stages, stage_summary
+from nnscaler.policies.staging import default_pivots, explicit_starts, parse_pivots
 from nnscaler.policies.tp import pas_tp
 
 __all__ = ["pas_pp", "pas_hybrid", "check_end2end_loss", "validate_pipeline"]
+
+_log = logging.getLogger(__name__)
 
 
 def check_end2end_loss(graph: Graph) -> None:
@@ -46,9 +46,10 @@ def check_end2end_loss(graph: Graph) -> None:
         )
 
 
-def _repeated_layers(graph: Graph, opts: PipelineOptions) -> tuple[str, ...]:
-    """The class of the repeated layers, or () (with a warning) when the model has none and nothing
-    else says where stages start: then they split the operators evenly, as nnScaler 0.8 does."""
+def _repeated_layers(graph: Graph, opts: PipelineOptions) -> tuple[str, ...] | None:
+    """The class of the repeated layers (for people reading the plan); None (with a warning) when the
+    model has none and nothing else says where stages start: then they split the operators evenly, as
+    nnScaler 0.8 does."""
     try:
         return default_pivots(graph)
     except PlanError:
@@ -58,9 +59,9 @@ def _repeated_layers(graph: Graph, opts: PipelineOptions) -> tuple[str, ...]:
             "pipeline: no pipeline_pivots given and no repeated layers found, so the stages split the "
             f"{len(graph.nodes)} operators evenly (nnScaler 0.8's rule); set pas_config['pipeline_pivots'] "
             "to start stages at module boundaries",
-            stacklevel=2,
+            stacklevel=3,
         )
-        return ()
+        return None
 
 
 def _even_starts(nnodes: int, nstages: int) -> list[int]:
@@ -93,10 +94,11 @@ def _pipeline(
         raise PlanError(
             "pipelines need pas_config['pipeline_nmicros']: the number of micro-batches per train_step"
         )
-    pivots = parse_pivots(opts.pipeline_pivots) or _repeated_layers(graph, opts)
+    pivots = parse_pivots(opts.pipeline_pivots)
     explicit = opts.pipeline_stages
-    if not pivots and not explicit:  # nnScaler's rule: the operators split evenly over the stages
-        starts = _even_starts(len(graph.nodes), nstages)
+    layers = () if pivots else _repeated_layers(graph, opts)
+    if layers is None:  # nnScaler's rule: the operators split evenly over the stages
+        starts, how = _even_starts(len(graph.nodes), nstages), "splitting the operators evenly"
     elif explicit:
         starts = explicit_starts(graph, list(explicit))
         if len(starts) != nstages:
@@ -104,15 +106,19 @@ def _pipeline(
                 f"pas_config['pipeline_stages'] names {len(starts) - 1} stage starts, so {len(starts)} stages, "
                 f"but pipeline_nstages is {nstages}"
             )
+        how = "as pipeline_stages names them"
     else:
-        found = pivot_starts(graph, pivots)
-        if nstages > len(found) + (0 if found[0][0] == 0 else 1):
-            raise PlanError(
-                f"pipeline_nstages={nstages} but the model has only {len(found)} pivot modules "
-                f"({', '.join(pivots)}) to start stages at: use fewer stages or other pipeline_pivots"
-            )
-        starts = balanced_starts(graph, [i for i, _ in found], nstages)
-    plan = PipelinePlan(tuple(graph.nodes[i].name for i in starts), pp_size, nmicros, scheduler, pivots)
+        whole = recompute_paths(graph, opts.recompute_modules)  # each checkpointed in one stage
+        choice = balanced_stages(graph, nstages, pivots, whole)
+        starts, how = choice.starts, f"balanced at {choice.level}"
+    _log.info("pipeline: %d stages %s; %s", nstages, how, stage_summary(graph, starts))
+    plan = PipelinePlan(
+        tuple(graph.nodes[i].name for i in starts),
+        pp_size,
+        nmicros,
+        scheduler,
+        pivots or layers or (),
+    )
     simulate(scheduler, nstages, pp_size, nmicros)  # raises on schedules that cannot run
     check_nccl(scheduler, nstages, pp_size, nmicros)  # and on P2P orders that would hang on NCCL
     return plan

@@ -1,31 +1,24 @@
-"""Where pipeline stages start: at module boundaries (pivots, e.g. every decoder layer), chosen so the
-stages' estimated compute is as even as possible, or at module paths the user names."""
+"""Where pipeline stages may start: at the instances of pivot classes the user names (e.g. every
+decoder layer), at the model's blocks (the top-level modules and each layer of a list) and, where
+blocks are too coarse to balance, at the modules inside them; or at module paths the user names.
+Which of these places become stage starts is stage_balance.py's choice."""
 
 from __future__ import annotations
 
 from collections import Counter
 
 from nnscaler.errors import PlanError
-from nnscaler.graph.ir import Graph, Node
+from nnscaler.graph.ir import Graph
+from nnscaler.policies.op_cost import graph_costs
 
 __all__ = [
     "parse_pivots",
     "default_pivots",
     "pivot_starts",
-    "node_cost",
-    "balanced_starts",
+    "block_key",
+    "candidate_levels",
     "explicit_starts",
 ]
-
-_CONTRACTING = {  # ops whose cost is (output elements) x (contracted length, the last dim of input 0)
-    "aten.linear.default",
-    "aten.mm.default",
-    "aten.bmm.default",
-    "aten.matmul.default",
-    "aten.addmm.default",
-    "aten.baddbmm.default",
-    "aten.einsum.default",
-}
 
 
 def parse_pivots(value) -> tuple[str, ...]:
@@ -80,58 +73,6 @@ def pivot_starts(graph: Graph, pivots: tuple[str, ...]) -> list[tuple[int, str]]
     return out
 
 
-def node_cost(node: Node, graph: Graph) -> float:
-    """Rough forward FLOPs: contractions count output x contracted length, everything else its outputs."""
-    out = sum(graph.values[o].meta.numel for o in node.outputs if graph.values[o].meta is not None)
-    if node.op in _CONTRACTING or node.op.startswith("aten.scaled_dot_product_attention"):
-        ins = [graph.values[n].meta for n in node.input_names() if graph.values[n].meta is not None]
-        if ins and ins[0].shape:
-            k = ins[0].shape[-1]
-            if node.op.startswith("aten.scaled_dot_product_attention") and len(ins) > 1:
-                k = ins[1].shape[-2] * 2  # q @ k^T and attn @ v
-            return 2.0 * out * k
-    if node.op.startswith("aten.convolution"):
-        w = graph.values[node.input_names()[1]].meta
-        return 2.0 * out * (w.numel // max(w.shape[0], 1))
-    return float(out)
-
-
-def balanced_starts(graph: Graph, candidates: list[int], nstages: int) -> list[int]:
-    """Stage starts from `candidates` (node indices; 0 is always a start) minimising the costliest stage."""
-    cands = sorted(set([0] + candidates))
-    if nstages > len(cands):
-        raise PlanError(
-            f"pipeline_nstages={nstages} but the model has only {len(cands)} places a stage can start (the "
-            "graph's start and each pivot module): use fewer stages or finer pipeline_pivots"
-        )
-    prefix = [0.0]
-    for node in graph.nodes:
-        prefix.append(prefix[-1] + node_cost(node, graph))
-    ends = cands[1:] + [len(graph.nodes)]
-
-    def cost(i: int, j: int) -> float:  # stage covering candidates i .. j-1
-        return prefix[ends[j - 1]] - prefix[cands[i]]
-
-    k = len(cands)
-    inf = float("inf")
-    # best[s][j]: the least max-cost of splitting candidates[0:j] into s stages
-    best = [[inf] * (k + 1) for _ in range(nstages + 1)]
-    cut = [[0] * (k + 1) for _ in range(nstages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, nstages + 1):
-        for j in range(s, k + 1):
-            for i in range(s - 1, j):
-                v = max(best[s - 1][i], cost(i, j))
-                if v < best[s][j]:
-                    best[s][j], cut[s][j] = v, i
-    starts, j = [], k
-    for s in range(nstages, 0, -1):
-        i = cut[s][j]
-        starts.append(cands[i])
-        j = i
-    return sorted(starts)
-
-
 def explicit_starts(graph: Graph, paths: list[str]) -> list[int]:
     """Node indices where the named modules begin (stages after the first)."""
     out = []
@@ -154,3 +95,80 @@ def explicit_starts(graph: Graph, paths: list[str]) -> list[int]:
             f"pas_config['pipeline_stages'] {paths} must name modules in the order they run, after the first op"
         )
     return [0] + out
+
+
+CROSS_FACTOR = 4.0
+"""Below the blocks, a stage may start where at most this many times the bytes crossing a typical
+block boundary cross (the hidden state and a few of its size, e.g. the residual, a router's gates)."""
+
+
+def block_key(path: str, depth: int = 0) -> str:
+    """The block a node of module `path` belongs to: the path up to its first list index (`layers.3`),
+    else its first part (`embed`, `head`; '' for the model's own forward); `depth` more parts below
+    that name the modules inside the block."""
+    parts = path.split(".") if path else []
+    first = next((k for k, p in enumerate(parts) if p.isdigit()), 0 if parts else -1)
+    return ".".join(parts[: first + 1 + depth])
+
+
+def candidate_levels(
+    graph: Graph, pivots: tuple[str, ...] = (), whole: tuple[str, ...] = ()
+) -> list[tuple[str, list[int]]]:
+    """Places a stage may start, coarse to fine, each level a superset of the one before, as (name,
+    node indices with 0 first). With `pivots`: only where their instances begin. Otherwise: where the
+    block changes, then where the module `depth` parts below the block changes (depth 1, 2, ...),
+    then between any two ops. Below the blocks, only places where no single activation crossing is
+    larger than the largest one crossing a typical (median) block boundary (the hidden state: never
+    where attention scores, an MLP's inner activation or a graph network's per-edge messages would
+    cross) and at most CROSS_FACTOR times the bytes crossing there.
+    Places where a non-tensor value would cross (stages pass tensors only) or inside a module of
+    `whole` (recomputed modules: each is checkpointed in one stage) are left out."""
+    costs = graph_costs(graph)
+    inside = _inside_whole(graph, whole)
+    if pivots:
+        return [(f"pivots {', '.join(pivots)}", sorted({0, *(i for i, _ in pivot_starts(graph, pivots))}))]
+    paths = [n.module_path for n in graph.nodes]
+    deepest = max((len(p.split(".")) for p in paths if p), default=0)
+    levels: list[tuple[str, list[int]]] = []
+    single = total = 0.0
+
+    def small(i: int) -> bool:
+        return costs.cross_largest[i] <= single and costs.cross_bytes[i] <= CROSS_FACTOR * total
+
+    for depth in range(deepest + 1):
+        keys = [block_key(p, depth) for p in paths]
+        found = [
+            i for i in range(1, len(paths)) if keys[i] != keys[i - 1] and costs.cuttable[i] and not inside[i]
+        ]
+        if depth == 0:
+            single = _median([costs.cross_largest[i] for i in found])
+            total = _median([costs.cross_bytes[i] for i in found])
+        else:
+            found = [i for i in found if small(i)]
+        _add_level(levels, "blocks" if depth == 0 else f"modules {depth} below the blocks", found)
+    ops = [i for i in range(1, len(paths)) if costs.cuttable[i] and not inside[i] and small(i)]
+    _add_level(levels, "operators", ops)
+    return levels
+
+
+def _inside_whole(graph: Graph, whole: tuple[str, ...]) -> list[bool]:
+    """For each node index i: nodes i - 1 and i both run inside one module of `whole` ('' is ignored)."""
+
+    def within(path: str, module: str) -> bool:
+        return path == module or path.startswith(module + ".")
+
+    mods = [m for m in whole if m]
+    paths = [n.module_path for n in graph.nodes]
+    return [False] + [
+        any(within(paths[i - 1], m) and within(paths[i], m) for m in mods) for i in range(1, len(paths))
+    ]
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2] if xs else 0.0
+
+
+def _add_level(levels: list[tuple[str, list[int]]], name: str, found: list[int]) -> None:
+    cands = sorted({0, *found, *(levels[-1][1] if levels else ())})
+    if not levels or cands != levels[-1][1]:
+        levels.append((name, cands))

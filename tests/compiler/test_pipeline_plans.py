@@ -18,7 +18,7 @@ from nnscaler.parallel.compile import compile_module
 from nnscaler.partition import apply_pipeline
 from nnscaler.policies import Plan, make_plan
 from nnscaler.policies.schedules import group_actions, simulate, theoretical_bubble
-from nnscaler.policies.staging import node_cost
+from nnscaler.policies.stage_balance import node_cost
 from nnscaler.runtime.pipeline import split_micro_batches
 from tests import zoo
 
@@ -129,8 +129,20 @@ def test_plan_with_pipeline_round_trips_through_json(deep_graphs):
 # ---- bad input --------------------------------------------------------------------------------------
 def test_more_stages_than_pivots(zoo_graphs):
     graph = zoo_graphs["gpt"][0]  # two transformer blocks
-    with pytest.raises(PlanError, match="pivot modules"):
-        make_plan(graph, "pp", _cfg(4))
+    with pytest.raises(PlanError, match="places a stage can start"):
+        make_plan(graph, "pp", _cfg(4, pipeline_pivots="Block"))
+
+
+def test_more_stages_than_layers_cut_inside_them(zoo_graphs):
+    """Without named pivots, 4 stages on two blocks start inside the blocks (stage_balance.py's finer
+    levels), every stage holding weights and work, instead of refusing."""
+    graph = zoo_graphs["gpt"][0]
+    plan = make_plan(graph, "pp", _cfg(4))
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    starts = [index[s] for s in plan.pipeline.starts]
+    for piece in cut_graph(graph, starts):
+        assert piece.params, f"stage {piece.index} holds no weights"
+        assert sum(node_cost(n, graph) for n in piece.graph.nodes) > 0
 
 
 def test_pipeline_needs_end2end(zoo_graphs):

@@ -15,7 +15,6 @@ from nnscaler.graph.ir import (
     Graph,
     Layout,
     MeshLayout,
-    Node,
     Partial,
     Replicate,
     Shard,
@@ -26,6 +25,7 @@ from nnscaler.graph.ir import (
 )
 from nnscaler.policies.autodist.cluster import ClusterSpec
 from nnscaler.policies.autodist.comm import all_gather, all_reduce, all_to_all, reduce_scatter
+from nnscaler.policies.op_cost import DTYPE_BYTES, dtype_bytes, is_free_op, node_flops  # device-independent
 
 __all__ = [
     "CostContext",
@@ -38,68 +38,6 @@ __all__ = [
     "traced_batch_size",
     "is_free_op",
 ]
-
-DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
-"""Bytes per element by dtype name (others: 4)."""
-
-_BIAS_FIRST = {"aten.addmm.default", "aten.baddbmm.default"}
-_CONTRACTING = {
-    "aten.linear.default": -1,
-    "aten.mm.default": -1,
-    "aten.matmul.default": -1,
-    "aten.addmm.default": -1,
-    "aten.bmm.default": -1,
-    "aten.baddbmm.default": -1,
-    "aten.einsum.default": -1,
-    "aten._grouped_mm.default": -1,
-    "transformers.grouped_mm_fallback.default": -1,
-}
-
-
-_METADATA_OPS = {
-    "view",
-    "_unsafe_view",
-    "reshape",
-    "transpose",
-    "permute",
-    "unsqueeze",
-    "squeeze",
-    "expand",
-    "slice",
-    "select",
-    "t",
-    "alias",
-    "split",
-    "chunk",
-    "detach",
-    "unflatten",
-    "flatten",
-    "split_with_sizes",
-    "unbind",
-    "view_as",
-    "expand_as",
-    "narrow",
-    "movedim",
-    "_to_copy_noop",
-}
-"""Ops that only change a tensor's metadata (no kernel, no memory traffic) in the usual case."""
-
-
-def is_free_op(node: Node, graph: Graph) -> bool:
-    """True for views and for casts to the dtype the tensor already has."""
-    parts = node.op.split(".")
-    base = parts[1] if node.op.startswith("aten.") and len(parts) > 1 else node.op
-    if base in _METADATA_OPS:
-        return True
-    if base == "to":
-        ins = [graph.values[n].meta for n in node.input_names() if graph.values[n].meta is not None]
-        outs = [graph.values[o].meta for o in node.outputs if graph.values[o].meta is not None]
-        return bool(ins and outs) and ins[0].dtype == outs[0].dtype
-    return False
-
-
-def dtype_bytes(dtype: str) -> int:
-    return DTYPE_BYTES.get(dtype.replace("torch.", ""), 4)
 
 
 @dataclass(frozen=True)
@@ -185,27 +123,6 @@ class CostContext:
         if self.compute_dtype is not None and dtype.replace("torch.", "").startswith(("float", "bfloat")):
             return dtype_bytes(self.compute_dtype)
         return dtype_bytes(dtype)
-
-
-def node_flops(node: Node, graph: Graph) -> float:
-    """Forward FLOPs: 2 x output x contracted length for contractions, 4bhstd for attention, else output size."""
-    outs = [graph.values[o].meta for o in node.outputs if graph.values[o].meta is not None]
-    out = sum(m.numel for m in outs)
-    ins = [graph.values[n].meta for n in node.input_names() if graph.values[n].meta is not None]
-    if node.op in _CONTRACTING and ins and ins[0].shape:
-        first = 1 if node.op in _BIAS_FIRST and len(ins) > 1 else 0  # addmm(bias, x, w)
-        return 2.0 * out * ins[first].shape[-1]
-    if node.op.startswith("aten.scaled_dot_product_attention") and len(ins) >= 3 and len(ins[1].shape) >= 2:
-        q, k, v = ins[0].shape, ins[1].shape, ins[2].shape
-        qn = ins[0].numel
-        return 2.0 * qn * k[-2] + 2.0 * (qn // q[-1]) * k[-2] * v[-1]
-    if node.op == "nnscaler.moe_experts.default" and len(ins) >= 5 and len(ins[4].shape) == 3:
-        # every token's k experts: gate/up [2I, H] and down [H, I] matmuls, 6 T k H I
-        return 6.0 * ins[1].numel * ins[4].shape[1] * ins[4].shape[2]
-    if node.op.startswith("aten.conv") and len(ins) > 1 and ins[1].shape:
-        w = ins[1].shape
-        return 2.0 * out * (ins[1].numel // max(w[0], 1))
-    return 1.0 * out  # a float, or a sympy expression for symbolic shapes (symbolic.flops_expr)
 
 
 def compute_time(flops: float, nbytes: float, ctx: CostContext, dtype: str, matmul: bool) -> float:

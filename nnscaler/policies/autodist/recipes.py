@@ -20,7 +20,7 @@ from nnscaler.policies.autodist.layers import layer_instances
 from nnscaler.policies.autodist.search import divisors, micro_options
 from nnscaler.policies.expert_parallel import experts_nodes
 from nnscaler.policies.plan import REPLICATE, NodePlan
-from nnscaler.policies.staging import balanced_starts
+from nnscaler.policies.stage_balance import balanced_starts
 from nnscaler.policies.tp import pas_tp
 
 __all__ = ["Recipe", "standard_recipes"]

@@ -27,6 +27,8 @@ from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.pipeline_dp import stage_dp
 from nnscaler.policies.autodist.spmd import solve_spmd
 from nnscaler.policies.autodist.spmd_problem import MEMORY_ADVICE
+from nnscaler.policies.op_cost import graph_costs
+from nnscaler.policies.stage_balance import Segments, choose_stages
 from nnscaler.policies.tp import pas_tp
 
 __all__ = ["search", "divisors", "micro_options"]
@@ -81,7 +83,12 @@ def _segments(graph: Graph, instances: list[tuple[str, list[int]]]) -> list[int]
 
 
 def _pipeline_candidates(
-    graph: Graph, setup: PlannerSetup, instances, layer_paths: tuple[str, ...], refused: list[tuple[str, str]]
+    graph: Graph,
+    setup: PlannerSetup,
+    instances,
+    layer_paths: tuple[str, ...],
+    refused: list[tuple[str, str]],
+    user_pivots: tuple[str, ...] = (),
 ) -> list[Candidate]:
     """Every pipelined configuration that plans; `refused` gains (configuration, reason) for the others."""
     out: list[Candidate] = []
@@ -122,7 +129,9 @@ def _pipeline_candidates(
             except PlanError as exc:
                 refused.append((f"pp={pp} tp={tp}{' +recompute' if rc else ''}", str(exc)))
                 continue
-            scored = _score_pipeline(graph, setup, res, ctx, pp, rc, limit, seg_starts, layer_paths)
+            scored = _score_pipeline(
+                graph, setup, res, ctx, pp, rc, limit, seg_starts, layer_paths, user_pivots
+            )
             if not scored:
                 refused.append(
                     (
@@ -136,39 +145,56 @@ def _pipeline_candidates(
     return out
 
 
-def _score_pipeline(graph, setup, res, ctx, pp, rc, limit, seg_starts, layer_paths) -> list[Candidate]:
-    """Stage boundaries and the whole-step time of one (pp, tp, recompute) for each micro-batch count."""
-    tp, nseg = ctx.ways, len(seg_starts)
-    bounds = seg_starts + [len(graph.nodes)]
-    seg_time, seg_act, seg_param, seg_sync, seg_in = [], [], [], [], []
-    for k in range(nseg):
-        names = [graph.nodes[i].name for i in range(bounds[k], bounds[k + 1])]
-        seg_time.append(sum(res.node_time[n] for n in names))
-        seg_act.append(sum(res.choice[n].activation_bytes for n in names))
-        seg_param.append(sum(res.node_memory[n] - res.choice[n].activation_bytes for n in names))
-        seg_sync.append(sum(res.node_sync[n] for n in names))
-        seg_in.append(segment_input(graph, ctx, bounds[k]))
+def _score_pipeline(
+    graph, setup, res, ctx, pp, rc, limit, layer_starts, layer_paths, user_pivots=()
+) -> list[Candidate]:
+    """Stage boundaries and the whole-step time of one (pp, tp, recompute) for each micro-batch count.
+    The boundaries come from the balancer the pp/hybrid policies use (stage_balance.choose_stages:
+    blocks first, finer places where blocks are too unequal), costed by this plan's node times."""
+    tp = ctx.ways
     own_rc = rc and not setup.recompute
-    times = [t * 4.0 / 3.0 for t in seg_time] if (own_rc or setup.recompute) else seg_time
-    acts = seg_in if own_rc else seg_act
+    factor = 4.0 / 3.0 if (own_rc or setup.recompute) else 1.0
+    names = [n.name for n in graph.nodes]
+    time = [res.node_time[n] * factor for n in names]
+    act = [res.choice[n].activation_bytes for n in names]
+    param = [res.node_memory[n] - res.choice[n].activation_bytes for n in names]
+    if own_rc:  # recomputed layers keep only their inputs
+        act = [0.0] * len(names)
+        for i in layer_starts:
+            act[i] += segment_input(graph, ctx, i)
+    link = setup.cluster.link(2, tp)
+    crossing = graph_costs(graph).cross_bytes
+    scale = ctx.batch_scale / max(tp, 1)
+
+    def segments_for(cands: list[int]) -> Segments:
+        bounds = list(cands) + [len(names)]
+        span = list(zip(bounds, bounds[1:]))
+        return Segments(
+            list(cands),
+            [sum(time[a:b]) for a, b in span],
+            [sum(act[a:b]) for a, b in span],
+            [sum(param[a:b]) for a, b in span],
+            [2 * send_recv(crossing[a] * scale, 2, link) if a else 0.0 for a, _ in span],
+        )
+
+    whole = tuple(layer_paths if own_rc else setup.recompute or ())  # each checkpointed in one stage
     out = []
     for m in [setup.nmicros] if setup.nmicros else [pp, 2 * pp, 4 * pp]:
-        t_max, starts = stage_dp(times, acts, seg_param, pp, m, limit)
-        if math.isinf(t_max):
-            continue
-        sb = starts + [nseg]
-        stage_times = [sum(times[sb[s] : sb[s + 1]]) for s in range(pp)]
-        sync = max(sum(seg_sync[sb[s] : sb[s + 1]]) for s in range(pp))
-        hop = max(seg_in)  # one boundary activation, this device's share
-        p2p = 2 * (pp - 1) * send_recv(hop, 2, setup.cluster.link(2, tp))
-        step = (m + pp - 1) * t_max + p2p + sync + fixed_costs(graph, setup, ctx, m, pp)
-        mem = max(
-            sum(seg_param[sb[s] : sb[s + 1]]) + sum(acts[sb[s] : sb[s + 1]]) * min(pp - s, m)
-            for s in range(pp)
+        choice = choose_stages(
+            graph, pp, segments_for, user_pivots, whole=whole, nmicros=m, mem_limit=limit, dp=stage_dp
         )
-        starts_at = [seg_starts[i] for i in starts]
+        if choice is None:
+            continue
+        sb = choice.starts + [len(names)]
+        spans = [(sb[s], sb[s + 1]) for s in range(pp)]
+        stage_times = [sum(time[a:b]) for a, b in spans]
+        sync = max(sum(res.node_sync[n] for n in names[a:b]) for a, b in spans)
+        hop = max(segment_input(graph, ctx, i) for i in choice.starts[1:])  # this device's share
+        p2p = 2 * (pp - 1) * send_recv(hop, 2, link)
+        step = (m + pp - 1) * max(stage_times) + p2p + sync + fixed_costs(graph, setup, ctx, m, pp)
+        mem = max(sum(param[a:b]) + sum(act[a:b]) * min(pp - s, m) for s, (a, b) in enumerate(spans))
         paths = layer_paths if own_rc else setup.recompute
-        out.append(Candidate(pp, tp, m, rc, step, mem, res, starts_at, stage_times, paths))
+        out.append(Candidate(pp, tp, m, rc, step, mem, res, choice.starts, stage_times, paths))
     return out
 
 
@@ -255,6 +281,7 @@ def _search_cp(graph: Graph, setup: PlannerSetup) -> tuple[Candidate, list[Candi
 
 def _search_devices(graph: Graph, setup: PlannerSetup) -> tuple[Candidate, list[Candidate]]:
     """The best configuration of the plan devices without context parallelism, and every one scored."""
+    user_pivots = tuple(setup.pivots or ())
     pivots, instances = layer_instances(graph, setup.pivots)
     layer_paths = tuple(p for p, _ in instances)
     setup = replace(setup, pivots=pivots or setup.pivots)
@@ -280,7 +307,7 @@ def _search_devices(graph: Graph, setup: PlannerSetup) -> tuple[Candidate, list[
             "plain stack of linears), or drop pipeline_nstages"
         )
     if setup.end2end and setup.training and setup.nstages != 1 and len(instances) > 1:
-        scored.extend(_pipeline_candidates(graph, setup, instances, layer_paths, refused))
+        scored.extend(_pipeline_candidates(graph, setup, instances, layer_paths, refused, user_pivots))
     if not scored:
         raise _nothing_planned(n, refused)
     if setup.constraints.rules == () and setup.plan_ngpus > 1:

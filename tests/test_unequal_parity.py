@@ -1,0 +1,31 @@
+"""A stack of unequal layers (state-space, attention, experts: tests/zoo_unequal.py) trains exactly as
+on one device under dp, tp, pp and autodist, its pipeline stages cut where the balancer puts them
+(inside the experts layers for 4 stages), and a graph network under pp."""
+
+from __future__ import annotations
+
+from tests.parity import ParityCase, run_parity_many
+
+UNEQUAL = "tests.zoo_unequal:build_unequal"
+GNN = "tests.zoo_unequal:build_gnn"
+PIPELINE = {"use_end2end": True, "pas_config": {"pipeline_nmicros": 2}}
+INTERLEAVED = {
+    "use_end2end": True,
+    "pas_config": {"pipeline_nmicros": 2, "pipeline_scheduler": "1f1b_interleaved"},
+}
+
+
+def test_unequal_stack_matches_one_device(tmp_path):
+    cases = [
+        ParityCase(UNEQUAL, "dp", 1, optimizer="sgd"),
+        ParityCase(UNEQUAL, "tp", 2, optimizer="sgd"),
+        ParityCase(UNEQUAL, "pp", 2, config_kwargs=PIPELINE, nmicros=2, optimizer="sgd"),
+        ParityCase(UNEQUAL, "pp", 2, config_kwargs=INTERLEAVED, nmicros=2, optimizer="sgd"),
+        ParityCase(UNEQUAL, "autodist", 2, optimizer="sgd"),
+        ParityCase(GNN, "pp", 2, config_kwargs=PIPELINE, nmicros=2, optimizer="sgd"),
+    ]
+    results = run_parity_many(cases, 2, tmp_path=tmp_path, timeout=280)
+    for case, per_rank in zip(cases, results):
+        if case.policy == "pp":  # each rank holds one stage's weights, never all or none of them
+            fractions = [r["local_param_fraction"] for r in per_rank]
+            assert all(0.2 < f < 0.8 for f in fractions), (case.label, fractions)
