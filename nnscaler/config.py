@@ -145,6 +145,11 @@ class ComputeConfig:
     """Run the generated forward / pipeline stage functions through `torch.compile` (docs/runtime.md): True,
     or a dict of its keyword arguments (TORCH_COMPILE_KEYS, e.g. {"backend": "aot_eager", "mode":
     "max-autotune"}); the generated file stays plain PyTorch, the runtime compiles it when it is loaded."""
+    trace_time_budget_s: float | None = field(default=30.0, kw_only=True)
+    """Seconds tracing may take with input sizes left open (symbolic shapes; graph/capture/budget.py). Past
+    them the trace is interrupted and the module traced again with every input size fixed to the dummy
+    inputs' (the compiled module then accepts only those shapes), with a warning naming the source line
+    it was at. None or 0: no limit (a model whose shape guards are slow for sympy may trace for minutes)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan_ngpus, int) or self.plan_ngpus <= 0:
@@ -204,6 +209,14 @@ class ComputeConfig:
             )
         self._check_grad_aggregation()
         _check_torch_compile(self.torch_compile, self.use_zero and self.zero_stage == 3)
+        budget = self.trace_time_budget_s
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0
+        ):
+            raise ConfigError(
+                "ComputeConfig.trace_time_budget_s must be a number of seconds >= 0 (None or 0: no limit), "
+                f"got {budget!r}"
+            )
 
     def _check_grad_aggregation(self) -> None:
         """`grad_aggregation`, `byzantine_b` and Zeno's knobs: known values, enough replicas, a supported setup."""

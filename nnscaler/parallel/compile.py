@@ -105,6 +105,7 @@ def compile_module(
             constant_folding=cfg.constant_folding,  # sizes the code computes with become constants
             leaf_modules=list(policy.leaf_modules),  # submodules run eagerly as one op
             auto_leaf_modules=policy.auto_leaf_modules,
+            trace_time_budget_s=cfg.trace_time_budget_s,  # past it: sizes fixed, with a warning
         )
         write_atomic(graph_file, graph_to_json(graph))
         _save_constants(outdir, graph)

@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 from nnscaler.errors import TraceError
 from nnscaler.graph.capture.attention_fuse import fuse_attention
 from nnscaler.graph.capture.autograd_fn import name_autograd_functions, opaque_autograd_functions
+from nnscaler.graph.capture.budget import capture_within_budget
 from nnscaler.graph.capture.convert import convert_exported
 from nnscaler.graph.capture.ctc_loss import ctc_loss_shapes
 from nnscaler.graph.capture.export import check_forward_args, export_module, untraced_defaults
@@ -38,6 +39,7 @@ def capture(
     leaf_modules: Sequence[str] = (),
     auto_leaf_modules: bool = True,
     constant_folding: bool = False,
+    trace_time_budget_s: float | None = 30.0,
 ) -> Graph:
     """Trace `module(**dummy_forward_args)` into a Graph without touching its weights.
 
@@ -52,10 +54,24 @@ def capture(
     only the module's own mode, and its node names are the same.
     `leaf_modules` (paths or class names) run as one opaque op each; with `auto_leaf_modules`, so does
     a submodule whose code export refuses as data-dependent (graph/capture/leaf_modules.py).
+    `trace_time_budget_s` (ComputeConfig.trace_time_budget_s; None or 0: no limit) bounds all of the
+    tracing with sizes left open (both modes, leaf retries, constant folding's retry): past it, the
+    module is traced again with every size fixed and a TraceBudgetWarning names the line the trace was
+    at (graph/capture/budget.py).
     """
     options = (both_modes, tuple(leaf_modules), auto_leaf_modules)
-    if not constant_folding or static_shapes:
-        return _capture(module, dummy_forward_args, static_shapes, *options)
+    if static_shapes:
+        return _capture(module, dummy_forward_args, True, *options)
+    open_sizes = lambda: _open_sizes(module, dummy_forward_args, constant_folding, options)  # noqa: E731
+    fixed = lambda: _capture(module, dummy_forward_args, True, *options)  # noqa: E731
+    return capture_within_budget(trace_time_budget_s, open_sizes, fixed, module, dummy_forward_args)
+
+
+def _open_sizes(
+    module: torch.nn.Module, dummy_forward_args: dict[str, Any], constant_folding: bool, options: tuple
+) -> Graph:
+    if not constant_folding:
+        return _capture(module, dummy_forward_args, False, *options)
     try:
         graph = _capture(module, dummy_forward_args, False, *options)
     except TraceError as exc:  # e.g. a size that depends on tensor values: fixed sizes may still work

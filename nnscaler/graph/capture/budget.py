@@ -1,0 +1,195 @@
+"""A time budget for tracing with sizes left open (ComputeConfig.trace_time_budget_s).
+
+With every input dim symbolic, torch.export simplifies the shape guards it meets with sympy, and some
+models (shifted windows: `torch.roll`, padding to a multiple of the window, views by `H // window`)
+make that take minutes where tracing with fixed sizes takes a second. `run_within` runs the symbolic
+capture under a watchdog thread: past the budget it raises a private BaseException in the tracing
+thread (`PyThreadState_SetAsyncExc`, which interrupts pure-Python work such as sympy's from any
+thread; `except Exception` handlers inside torch do not catch it), and turns it into
+`TraceBudgetExceeded`, naming the user's source line the trace was at. The caller then traces with
+fixed sizes. The watchdog is cancelled under a lock once the work returns, and an interrupt it set but
+Python had not yet raised is cleared, so none can surface after `run_within` returns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from nnscaler.errors import TraceError
+
+__all__ = [
+    "TraceBudget",
+    "TraceBudgetExceeded",
+    "TraceBudgetWarning",
+    "capture_within_budget",
+    "run_within",
+    "user_line",
+]
+
+T = TypeVar("T")
+
+_LIBRARY_PARTS = ("/torch/", "/nnscaler/", "/sympy/", "/mpmath/", "/functorch/")
+_STDLIB = sysconfig.get_paths().get("stdlib", "\0")
+
+
+class _BudgetInterrupt(BaseException):
+    """Raised asynchronously in the tracing thread by the watchdog (never seen outside this module)."""
+
+
+class TraceBudgetExceeded(TraceError):
+    """Tracing with sizes left open ran past `ComputeConfig.trace_time_budget_s`; `where` is the user's
+    source line it was at (or what torch.export was doing after forward had run)."""
+
+    def __init__(self, seconds: float, where: str):
+        super().__init__(
+            f"tracing with input sizes left open took more than {seconds:g} s (at {where}); raise "
+            "ComputeConfig.trace_time_budget_s (None: no limit) to let it finish"
+        )
+        self.seconds = seconds
+        self.where = where
+
+
+class TraceBudget:
+    """A deadline shared by every trace of one capture (both modes, leaf retries, constant folding's
+    retry). `seconds` None or 0: no limit."""
+
+    def __init__(self, seconds: float | None):
+        if seconds is not None and not seconds >= 0:
+            raise ValueError(
+                f"trace_time_budget_s must be >= 0 seconds (None or 0: no limit), got {seconds!r}"
+            )
+        self.seconds = float(seconds) if seconds and math.isfinite(seconds) else None
+        self.start = time.monotonic()
+
+    def remaining(self) -> float | None:
+        """Seconds left (<= 0 when spent), None without a limit."""
+        if self.seconds is None:
+            return None
+        return self.seconds - (time.monotonic() - self.start)
+
+
+def user_line(frames: list[traceback.FrameSummary]) -> str | None:
+    """The innermost frame outside torch, nnscaler, sympy and the standard library, as
+    `file:line in function: code`; None when every frame is library code."""
+    for frame in reversed(frames):
+        name = frame.filename.replace("\\", "/")
+        stdlib = name.startswith(_STDLIB) and "-packages/" not in name
+        if any(part in name for part in _LIBRARY_PARTS) or stdlib or name.startswith("<"):
+            continue
+        return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}: {(frame.line or "").strip()}'
+    return None
+
+
+class _Watchdog:
+    """Raises _BudgetInterrupt in thread `tid` after `seconds`, unless cancelled first."""
+
+    def __init__(self, tid: int, seconds: float):
+        self.tid, self.lock = tid, threading.Lock()
+        self.cancelled = self.fired = False
+        self.frames: list[traceback.FrameSummary] = []
+        self.timer = threading.Timer(max(seconds, 0.0), self._fire)
+        self.timer.daemon = True
+
+    def _fire(self) -> None:
+        with self.lock:
+            if self.cancelled:
+                return
+            frame = sys._current_frames().get(self.tid)
+            stack = traceback.extract_stack(frame) if frame is not None else []
+            # only what runs inside run_within's work: not the caller's frames around it
+            starts = [i for i, f in enumerate(stack) if f.name == "run_within" and f.filename == __file__]
+            self.frames = stack[starts[-1] + 1 :] if starts else stack
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(self.tid), ctypes.py_object(_BudgetInterrupt)
+            )
+            self.fired = True
+
+    def cancel(self) -> bool:
+        """Stop the watchdog; whether it had fired (an interrupt may then still be pending)."""
+        with self.lock:
+            self.cancelled = True
+            self.timer.cancel()
+            return self.fired
+
+
+def _clear_pending(tid: int) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
+
+
+def run_within(budget: TraceBudget | None, work: Callable[[], T]) -> T:
+    """`work()`, interrupted with TraceBudgetExceeded when the budget runs out first."""
+    left = budget.remaining() if budget is not None else None
+    if left is None:
+        return work()
+    assert budget is not None and budget.seconds is not None
+    if left <= 0:
+        raise TraceBudgetExceeded(budget.seconds, "the start of a trace: the budget was spent before it")
+    tid = threading.get_ident()
+    watchdog = _Watchdog(tid, left)
+    try:
+        try:
+            watchdog.timer.start()
+            return work()
+        finally:
+            if watchdog.cancel():  # fired: its interrupt may not have been raised yet
+                _clear_pending(tid)
+    except _BudgetInterrupt as interrupt:
+        frames = watchdog.frames or traceback.extract_tb(interrupt.__traceback__)
+        where = (
+            user_line(frames)
+            or "the end of the trace, after forward had run (torch.export was solving size guards)"
+        )
+        raise TraceBudgetExceeded(budget.seconds, where) from None
+
+
+class TraceBudgetWarning(UserWarning):
+    """Tracing with sizes left open ran out of time: the module was traced with every size fixed."""
+
+
+def capture_within_budget(
+    seconds: float | None,
+    open_trace: Callable[[], T],
+    fixed_trace: Callable[[], T],
+    module: Any,
+    dummy_forward_args: dict[str, Any],
+) -> T:
+    """`open_trace()` (sizes left open) within `seconds`; past them, a TraceBudgetWarning naming the line
+    and every input dim that is now fixed, and `fixed_trace()` (not bounded: nothing is left to fall back
+    to; with fixed sizes it is the fast trace)."""
+    from nnscaler.graph.capture.export import _clear_dim_marks
+
+    try:
+        return run_within(TraceBudget(seconds), open_trace)
+    except TraceBudgetExceeded as over:
+        _clear_dim_marks(dummy_forward_args)  # a trace cut short leaves its marks; the retry fixes every dim
+        fixed = _fixed_dims(dummy_forward_args)
+        warnings.warn(
+            f"{type(module).__name__}: tracing with input sizes left open took more than {over.seconds:g} s "
+            f"(ComputeConfig.trace_time_budget_s); it was at {over.where}. Traced again with every input size "
+            f"fixed to the dummy inputs' ({fixed}): the compiled module accepts only those shapes. Raise "
+            "ComputeConfig.trace_time_budget_s (None: no limit) to keep sizes open",
+            TraceBudgetWarning,
+            stacklevel=3,
+        )
+        return fixed_trace()
+
+
+def _fixed_dims(kwargs: dict[str, Any]) -> str:
+    """`x (2, 7, 9, 4), mask (2, 7)`: the shapes of the tensor inputs."""
+    from torch.utils import _pytree as pytree
+
+    parts = []
+    for name, value in kwargs.items():
+        for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+            if hasattr(leaf, "shape") and len(leaf.shape):
+                parts.append(f"{name}{pytree.keystr(path)} {tuple(leaf.shape)}")
+    return ", ".join(parts) or "no tensor inputs"
