@@ -4,7 +4,8 @@ its top forward makes before the loss:
     if labels.max() >= self.vocab_size:
         raise ValueError(f"labels must be < {self.vocab_size} ...")
 
-Log-mel-like features (batch, frames, mels) -> a Conv1d + Linear frontend -> two transformer
+Log-mel-like features (batch, frames, mels) -> a Conv1d (or, `build_speech_ctc_linear`, a per-frame
+Linear) + Linear frontend -> two transformer
 encoder layers (F.scaled_dot_product_attention, bidirectional) -> a linear CTC head -> F.ctc_loss
 (blank 0) over every frame. About 5k parameters.
 """
@@ -41,10 +42,13 @@ class EncoderLayer(nn.Module):
 class SpeechCTC(nn.Module):
     """forward(features, labels) -> mean CTC loss; labels are 1..vocab_size-1 (0 is the blank)."""
 
-    def __init__(self, mels: int = MELS, dim: int = DIM, heads: int = HEADS, vocab_size: int = VOCAB):
+    def __init__(
+        self, mels: int = MELS, dim: int = DIM, heads: int = HEADS, vocab_size: int = VOCAB, conv: bool = True
+    ):
         super().__init__()
         self.vocab_size = vocab_size
-        self.conv = nn.Conv1d(mels, dim, kernel_size=3, padding=1)
+        # a convolution over time needs neighbouring frames (context parallelism cannot split it)
+        self.conv = nn.Conv1d(mels, dim, kernel_size=3, padding=1) if conv else nn.Linear(mels, dim)
         self.inp = nn.Linear(dim, dim)
         self.layers = nn.ModuleList([EncoderLayer(dim, heads) for _ in range(2)])
         self.norm = nn.LayerNorm(dim)
@@ -53,7 +57,10 @@ class SpeechCTC(nn.Module):
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if labels.max() >= self.vocab_size:
             raise ValueError(f"labels must be < {self.vocab_size} (the CTC head's vocabulary)")
-        x = F.gelu(self.conv(features.transpose(1, 2))).transpose(1, 2)
+        if isinstance(self.conv, nn.Conv1d):
+            x = F.gelu(self.conv(features.transpose(1, 2))).transpose(1, 2)
+        else:
+            x = F.gelu(self.conv(features))
         x = self.inp(x)
         for layer in self.layers:
             x = layer(x)
@@ -78,6 +85,13 @@ def make_batch(seed: int, batch_size: int) -> dict[str, torch.Tensor]:
 def build_speech_ctc(seed: int = 0):
     torch.manual_seed(seed)
     return SpeechCTC().train(), make_batch
+
+
+def build_speech_ctc_linear(seed: int = 0):
+    """The same model with a per-frame linear frontend instead of the convolution over time: its
+    sequence can be split from the input on (context parallelism)."""
+    torch.manual_seed(seed)
+    return SpeechCTC(conv=False).train(), make_batch
 
 
 def bad_batch(seed: int, batch_size: int) -> dict[str, torch.Tensor]:
