@@ -111,7 +111,8 @@ def _pipeline(
         whole = recompute_paths(graph, opts.recompute_modules)  # each checkpointed in one stage
         choice = balanced_stages(graph, nstages, pivots, whole)
         starts, how = choice.starts, f"balanced at {choice.level}"
-    _log.info("pipeline: %d stages %s; %s", nstages, how, stage_summary(graph, starts))
+    summary = f"pipeline {stage_summary(graph, starts)} ({how})"
+    _log.info("%s", summary)
     plan = PipelinePlan(
         tuple(graph.nodes[i].name for i in starts),
         pp_size,
@@ -122,6 +123,12 @@ def _pipeline(
     simulate(scheduler, nstages, pp_size, nmicros)  # raises on schedules that cannot run
     check_nccl(scheduler, nstages, pp_size, nmicros)  # and on P2P orders that would hang on NCCL
     return plan
+
+
+def _shares_note(graph: Graph, pipeline: PipelinePlan) -> str:
+    """'pipeline stages: FLOPs 26%/25%/..., weights ...' for the plan's notes (plan.json)."""
+    first = set(pipeline.starts)
+    return f"pipeline {stage_summary(graph, [i for i, n in enumerate(graph.nodes) if n.name in first])}"
 
 
 def pas_pp(graph: Graph, cfg: ComputeConfig) -> Plan:
@@ -138,7 +145,8 @@ def pas_pp(graph: Graph, cfg: ComputeConfig) -> Plan:
             f"plan_ngpus ({pp_size})"
         )
     pipeline = _pipeline(graph, cfg, opts, pp_size, nstages)
-    return Plan("pp", cfg.plan_ngpus, {n.name: NodePlan() for n in graph.nodes}, pipeline=pipeline)
+    nodes = {n.name: NodePlan() for n in graph.nodes}
+    return Plan("pp", cfg.plan_ngpus, nodes, (_shares_note(graph, pipeline),), pipeline=pipeline)
 
 
 def pas_hybrid(graph: Graph, cfg: ComputeConfig) -> Plan:
@@ -163,7 +171,7 @@ def pas_hybrid(graph: Graph, cfg: ComputeConfig) -> Plan:
     tp = cfg.plan_ngpus // pp_size // cp_size
     pipeline = _pipeline(graph, cfg, opts, pp_size, nstages)
     nodes: dict[str, NodePlan] = {}
-    notes: list[str] = []
+    notes: list[str] = [_shares_note(graph, pipeline)]
     starts = [i for i, n in enumerate(graph.nodes) if n.name in set(pipeline.starts)]
     tp_only = {k: v for k, v in (cfg.pas_config or {}).items() if not k.startswith(("cp_", "ep_"))}
     stage_cfg = ComputeConfig(tp, tp, pas_config=tp_only)

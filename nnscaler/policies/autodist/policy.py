@@ -21,6 +21,7 @@ from nnscaler.policies.autodist.search import search
 from nnscaler.policies.options import AutodistOptions
 from nnscaler.policies.plan import NodePlan, PipelinePlan, Plan
 from nnscaler.policies.recompute import recompute_paths
+from nnscaler.policies.stage_balance import stage_summary
 from nnscaler.policies.staging import parse_pivots
 from nnscaler.runtime.grads.buckets import DEFAULT_BUCKET_CAP_MB
 
@@ -162,7 +163,8 @@ def _tp_plan(graph: Graph, cand: Candidate, setup: PlannerSetup, scheduler: str)
         f"autodist: {cand.label()} on {setup.cluster.name or setup.cluster.device.name}; predicted "
         f"{cand.step_time * 1e3:.3f} ms per step, {cand.memory / 1e9:.3f} GB on the fullest device"
     )
-    return Plan("autodist", setup.plan_ngpus, nodes, (note,), tuple(cand.recompute_paths), pipeline, mesh)
+    notes = (note, f"pipeline {stage_summary(graph, cand.starts)}") if cand.pp > 1 else (note,)
+    return Plan("autodist", setup.plan_ngpus, nodes, notes, tuple(cand.recompute_paths), pipeline, mesh)
 
 
 def _bare(p: NodePlan) -> NodePlan:
