@@ -6,7 +6,8 @@ One process, compile only (no process group, no training): every model is traced
 under each policy with ComputeConfig(2, 2) (`pp`: end-to-end mode, 2 micro-batches) into a temporary
 directory. Prints one JSON object per (family, policy), then a summary: the families above 60% under
 tp 2 (whole parameters or whole FLOPs) and, of those, the ones whose causes are not named (the named
-causes cover less than half of what stays whole): `flagged`.
+causes cover less than half of what stays whole): `flagged`; and the families where one rank holds more
+than 60% of the parameters in all under tp 2 (whole ones plus its pieces of split ones).
 
     python benchmarks/replicated_share.py [--families gpt,t5] [--policies tp,autodist,pp] [--top 3]
 
@@ -122,7 +123,7 @@ def main() -> None:
         parser.exit(2, f"replicated_share.py: unknown families {unknown}; known: {sorted(known)}\n")
     policies = [p for p in args.policies.split(",") if p]
     t0 = time.perf_counter()
-    above, flagged, errors = [], [], []
+    above, flagged, errors, local_above = [], [], [], []
     for name in names:
         try:
             rows = run_family(name, known[name], policies, args.top, args.batch)
@@ -132,16 +133,20 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             if "error" in row:
                 errors.append(f"{name}/{row.get('policy', '-')}")
-            elif row["policy"] == "tp" and max(row["param_share"], row["flops_share"]) > THRESHOLD:
-                above.append(name)
-                if not row["named"]:
-                    flagged.append(name)
+            elif row["policy"] == "tp":
+                if max(row["param_share"], row["flops_share"]) > THRESHOLD:
+                    above.append(name)
+                    if not row["named"]:
+                        flagged.append(name)
+                if row["local_param_share"] > THRESHOLD:
+                    local_above.append(name)
     summary = {
         "summary": True,
         "families": len(names),
         "policies": policies,
         "above_60_under_tp2": above,
         "flagged": flagged,
+        "rank_holds_above_60_under_tp2": local_above,
         "errors": errors,
         "seconds": round(time.perf_counter() - t0, 1),
     }

@@ -173,11 +173,19 @@ def replicated_share(graph: Graph, plan, program, cfg=None) -> ReplicatedShare:
     """The shares and causes for `plan` partitioned into `program` (a Program or a PipelineProgram)."""
     tp = plan.tp_size
     stage_of = _stage_of(graph, plan)
-    causes = node_causes(graph, plan, {n: tp for n in stage_of}, cfg)
+    inherited: set[str] = set()
+    causes = node_causes(graph, plan, {n: tp for n in stage_of}, cfg, inherited)
     groups: dict[Why, dict] = {}
 
-    def add(why: Why, example: str, params: int = 0, nbytes: int = 0, ops: int = 0, flops: float = 0.0):
-        g = groups.setdefault(why, {"bytes": 0, "flops": 0.0, "ops": 0, "params": 0, "ex": example})
+    def add(why: Why, example: str, params=0, nbytes=0, ops=0, flops=0.0, own=True):
+        g = groups.setdefault(
+            why, {"bytes": 0, "flops": 0.0, "ops": 0, "params": 0, "ex": example, "size": -1.0}
+        )
+        size = (
+            flops if ops else float(nbytes) - 1e30
+        )  # the costliest op names the group, else the largest weight
+        if size > g["size"]:
+            g["ex"], g["size"] = example, size
         g["bytes"] += nbytes
         g["flops"] += flops
         g["ops"] += ops
@@ -193,7 +201,7 @@ def replicated_share(graph: Graph, plan, program, cfg=None) -> ReplicatedShare:
         flops_total[s] += f
         if node.name in causes:
             flops_whole[s] += f
-            add(causes[node.name], _where(node), ops=1, flops=f)
+            add(causes[node.name], _where(node), ops=1, flops=f, own=node.name not in inherited)
     held_total: dict[int, int] = defaultdict(int)
     held_whole: dict[int, int] = defaultdict(int)
     consumers = graph.consumers()

@@ -11,6 +11,7 @@ of an op kept whole for a named cause takes that cause. A weight's cause is its 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from nnscaler.graph.ir import Graph, Node
@@ -64,6 +65,12 @@ FOLLOWS = Why(
 )
 
 
+_SIZE = re.compile(r"(cannot be split|not split) \d+ ways|do not divide|does not divide")
+"""A policy's note that says a size does not divide the devices."""
+_WHERE = re.compile(r" at \S+:\d+(?: \([^()]*\))?")
+"""' at file.py:12 (module.path)' in a policy's note: left out, so that the same cause groups together."""
+
+
 def _line(node: Node) -> str:
     return node.source.split("  ", 1)[0] if node.source else "unknown source"
 
@@ -105,8 +112,8 @@ def _own_cause(graph: Graph, plan: Plan, node: Node, ways: int) -> Why | None:
         return Why("unannotated", f"op {node.op} at {_line(node)} has no annotation: it runs whole")
     note = plan.node(node.name).note
     if note:
-        divides = any(w in note for w in ("cannot", "not split", "divide"))
-        return Why("indivisible" if divides else "policy", f"{plan.policy}: {note} ({node.op})")
+        kind = "indivisible" if _SIZE.search(note) else "policy"
+        return Why(kind, f"{plan.policy}: {_WHERE.sub('', note)} ({node.op})")
     if not split_candidates(bound, ways):
         return _unsplittable(bound, node, ways)
     return None  # it follows its inputs, or (autodist) the search chose it: see node_causes
@@ -126,10 +133,13 @@ def _unsplittable(bound, node: Node, ways: int) -> Why:
     )
 
 
-def node_causes(graph: Graph, plan: Plan, tp_of: dict[str, int], cfg=None) -> dict[str, Why]:
+def node_causes(
+    graph: Graph, plan: Plan, tp_of: dict[str, int], cfg=None, inherited: set[str] | None = None
+) -> dict[str, Why]:
     """Node name -> the cause it runs whole, for every node the plan keeps whole on its stage's devices.
 
-    `tp_of`: node name -> devices of its stage; `cfg` (a ComputeConfig) lets autodist's choices be costed.
+    `tp_of`: node name -> devices of its stage; `cfg` (a ComputeConfig) lets autodist's choices be costed;
+    `inherited` (filled in when given): the nodes whose cause is an op they read, not their own.
     """
     out: dict[str, Why] = {}
     planner: list[Node] = []
@@ -144,18 +154,26 @@ def node_causes(graph: Graph, plan: Plan, tp_of: dict[str, int], cfg=None) -> di
         if why is None and plan.policy == "autodist":
             planner.append(node)
             continue
-        out[node.name] = why or _inherited(graph, node, out)
+        if why is None and inherited is not None:
+            inherited.add(node.name)
+        out[node.name] = why or _inherited(graph, plan, node, out)
     out.update(_planner_causes(graph, planner, tp_of, cfg))
     return out
 
 
-def _inherited(graph: Graph, node: Node, causes: dict[str, Why]) -> Why:
-    """A following op takes the named cause of a whole op it reads (the first such input), else FOLLOWS."""
+def _inherited(graph: Graph, plan: Plan, node: Node, causes: dict[str, Why]) -> Why:
+    """A following op takes the named cause of a whole op it reads (the first such input), or names the
+    gathered output of a column-parallel op it reads; else FOLLOWS."""
     for name in node.input_names():
         producer = graph.values[name].producer
         why = causes.get(producer) if producer else None
         if why is not None and why.kind in ("opaque", "unannotated", "indivisible"):
             return why
+        note = plan.node(producer).note if producer else ""
+        if note.startswith("column-parallel, output gathered"):
+            return Why(
+                "policy", f"{plan.policy}: reads the output of a column-parallel op gathered whole ({note})"
+            )
     return FOLLOWS
 
 

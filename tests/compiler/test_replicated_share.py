@@ -185,3 +185,11 @@ def test_pipeline_only_plan_says_so(tmp_path):
     assert share.tp_size == 1 and len(share.stages) == 2
     assert share.param_share == 1.0 and share.reasons[0].kind == "pipeline-only"
     assert [s.devices for s in share.stages] == [(0,), (1,)]
+
+
+def test_batch_split_keeps_weights_whole_and_says_why(tmp_path):
+    data = {"x": torch.randn(ROWS, 32), "y": torch.randn(ROWS, 32)}
+    res = compile_module(AllSplit(), data, "data", ComputeConfig(2, 2), tmp_path, "test")
+    share = res.replicated
+    assert share.param_share == 1.0 and share.flops_share < 0.05
+    assert share.reasons[0].kind == "data-parallel" and share.reasons[0].params == 4
