@@ -16,6 +16,7 @@ import torch
 
 from nnscaler.graph.ir import Graph, Replicate
 from nnscaler.parallel.whole_reasons import Why, node_causes, op_flops, param_cause
+from nnscaler.policies.autodist.cost import local_bytes
 
 __all__ = ["WholeReason", "StageShare", "ReplicatedShare", "replicated_share"]
 
@@ -64,7 +65,7 @@ class StageShare:
     """The stage's parameter bytes as a share of the model's."""
     local_share: float = 1.0
     """What one device of the stage holds (whole weights and its pieces of split ones), as a share of the
-    model's parameter bytes (a split weight counted at 1 / devices of the stage)."""
+    model's parameter bytes (a split weight counted at the piece one device holds)."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ def replicated_share(graph: Graph, plan, program, cfg=None) -> ReplicatedShare:
             add(causes[node.name], _where(node), ops=1, flops=f, own=node.name not in inherited)
     held_total: dict[int, int] = defaultdict(int)
     held_whole: dict[int, int] = defaultdict(int)
+    held_local: dict[int, float] = defaultdict(float)
     consumers = graph.consumers()
     stages = [(s.index, s.program) for s in program.stages] if hasattr(program, "stages") else [(0, program)]
     for index, prog in stages:
@@ -212,6 +214,7 @@ def replicated_share(graph: Graph, plan, program, cfg=None) -> ReplicatedShare:
                 continue
             nb = _nbytes(t)
             held_total[index] += nb
+            held_local[index] += local_bytes(nb, t.layout, tp, prog.mesh) if tp > 1 else nb
             if tp == 1 or isinstance(t.layout, Replicate):
                 held_whole[index] += nb
                 add(param_cause(graph, plan, consumers, t.name, causes), t.original_name, params=1, nbytes=nb)
@@ -241,7 +244,7 @@ def replicated_share(graph: Graph, plan, program, cfg=None) -> ReplicatedShare:
             held_whole[s] / (held_total[s] or 1),
             flops_whole[s] / (flops_total[s] or 1),
             held_total[s] / (pbytes or 1),
-            (held_whole[s] + (held_total[s] - held_whole[s]) / tp) / (pbytes or 1),
+            held_local[s] / (pbytes or 1),
         )
         for s in range(nstages)
     )
