@@ -35,6 +35,7 @@ def test_ctc_with_label_check_is_exact_under_every_policy(tmp_path):
         ParityCase(MODEL, "autodist", 2, optimizer="sgd"),
         _cp("zigzag"),
         _cp("ulysses"),
+        ParityCase(MODEL, "data", 2, optimizer="sgd"),  # the batch split through the CTC loss
     ]
     results = run_parity_many(cases, 2, tmp_path=tmp_path, timeout=600)
     tp = results[1]

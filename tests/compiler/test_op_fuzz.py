@@ -33,9 +33,10 @@ from nnscaler.policies import Plan
 from nnscaler.policies.plan import NodePlan
 from nnscaler.runtime.shard import assemble_shards
 from tests.compiler.op_fuzz_cases import COMPUTE_CASES, Case, Draw
+from tests.compiler.op_fuzz_check_cases import CHECK_CASES
 from tests.compiler.op_fuzz_view_cases import VIEW_CASES
 
-CASES = {**COMPUTE_CASES, **VIEW_CASES}
+CASES = {**COMPUTE_CASES, **VIEW_CASES, **CHECK_CASES}
 WAYS = (2, 3)
 BLOCKS = 2
 """Also split 2 ways in this many strided blocks (NodePlan.blocks, as the tp policy does for fused q/k/v)."""

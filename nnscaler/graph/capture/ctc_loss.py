@@ -4,8 +4,9 @@ torch has no fake kernel for `aten._ctc_loss` (its second output, the forward va
 is sized by the longest target, a value), so torch.export fails on every model computing a CTC loss
 ("DynamicOutputShapeException: aten._ctc_loss.Tensor"). While capturing, `ctc_loss_shapes()` gives it
 one: `log_alpha` sized by the padded target length (an upper bound, only ever read by ctc_loss's own
-backward, which the generated code runs eagerly). export then keeps `aten.ctc_loss` whole (the loss
-is the op's only output), and the generated code calls it as the model did.
+backward, which the generated code runs eagerly). export then keeps `aten.ctc_loss` as one op (the
+loss is its only output), which splits by the batch (graph/ops/ctc.py), and the generated code calls
+it as the model did.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+
+from nnscaler.graph.ops import ctc  # noqa: F401  (its op rule: split by the batch)
 
 __all__ = ["ctc_loss_shapes"]
 
