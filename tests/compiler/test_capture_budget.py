@@ -103,6 +103,14 @@ def test_no_interrupt_escapes_after_the_work_returns():
     assert set(outcomes) <= {"done", "over"} and threading.active_count() < 20
 
 
+def test_an_inner_budget_leaves_the_outer_interrupt_alone():
+    inner = lambda: run_within(TraceBudget(60), lambda: _busy(30))  # noqa: E731
+    start = time.monotonic()
+    with pytest.raises(TraceBudgetExceeded) as info:
+        run_within(TraceBudget(0.2), inner)
+    assert info.value.seconds == 0.2 and time.monotonic() - start < 20
+
+
 def test_no_budget_runs_to_the_end():
     assert run_within(TraceBudget(None), lambda: _busy(0.3)) > 0
     assert run_within(TraceBudget(0), lambda: _busy(0.3)) > 0

@@ -94,6 +94,8 @@ class _Watchdog:
 
     def __init__(self, tid: int, seconds: float):
         self.tid, self.lock = tid, threading.Lock()
+        # a class of its own: a run_within inside another's work handles only its own interrupt
+        self.interrupt: type[_BudgetInterrupt] = type("_BudgetInterrupt", (_BudgetInterrupt,), {})
         self.cancelled = self.fired = False
         self.frames: list[traceback.FrameSummary] = []
         self.timer = threading.Timer(max(seconds, 0.0), self._fire)
@@ -109,7 +111,7 @@ class _Watchdog:
             starts = [i for i, f in enumerate(stack) if f.name == "run_within" and f.filename == __file__]
             self.frames = stack[starts[-1] + 1 :] if starts else stack
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(self.tid), ctypes.py_object(_BudgetInterrupt)
+                ctypes.c_ulong(self.tid), ctypes.py_object(self.interrupt)
             )
             self.fired = True
 
@@ -142,7 +144,7 @@ def run_within(budget: TraceBudget | None, work: Callable[[], T]) -> T:
         finally:
             if watchdog.cancel():  # fired: its interrupt may not have been raised yet
                 _clear_pending(tid)
-    except _BudgetInterrupt as interrupt:
+    except watchdog.interrupt as interrupt:
         frames = watchdog.frames or traceback.extract_tb(interrupt.__traceback__)
         where = (
             user_line(frames)
