@@ -80,8 +80,9 @@ def _hybrid_program(builder: str, policy="hybrid"):
 @pytest.mark.parametrize(
     "builder, policy, converts",
     [
-        # stage 1 keeps `x @ w.T` whole: it all-gathers the rows stage 0 stores
-        ("build_matmul", "hybrid", "gather_from_group"),
+        # stage 1 splits `x @ w.T` by vocabulary (`w.T` a weight view split like its consumer): the
+        # rows stage 0 stores serve it as they are, nothing converted
+        ("build_matmul", "hybrid", None),
         # stage 1's row-parallel head wants columns: an all-to-all from the stored rows
         ("build_t", models_tied.hybrid_row_parallel_head, "all_to_all_in_group"),
     ],
@@ -99,7 +100,7 @@ def test_stages_store_a_tied_weight_alike(builder, policy, converts):
         for st in pprog.stages[1].program.statements
         if st.kind == "comm" and st.args[0].name == "tok_weight"
     ]
-    assert comms == [converts]
+    assert comms == ([converts] if converts else [])
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -290,6 +290,26 @@ def _addbmm(d: Draw) -> list[Case]:
     ]
 
 
+def _inner(d: Draw) -> list[tuple]:
+    a, b, k = d.shape(3)
+    return [(d.f(a, b, k), d.f(d.n(), k)), (d.f(k), d.f(k)), (d.f(), d.f(a, b))]
+
+
+def _tensordot(d: Draw) -> list[tuple]:
+    a, b, c, e = d.shape(4)
+    return [(d.f(a, b, c), d.f(c, b, e), [1, 2], [1, 0]), (d.f(a, b), d.f(b, c), [1], [0])]
+
+
+def _vecdot(d: Draw) -> list[Case]:
+    a, b, c = d.shape(3)
+    return [Case((d.f(a, b, c), d.f(b, c))), Case((d.f(a, b, c), d.f(a, 1, c)), {"dim": 1})]
+
+
+def _multi_dot(d: Draw) -> list[tuple]:
+    a, b, c, e = d.shape(4)
+    return [([d.f(a, b), d.f(b, c), d.f(c, e)],), ([d.f(b), d.f(b, c), d.f(c)],), ([d.f(a, b), d.f(b)],)]
+
+
 def _einsum(d: Draw) -> list[tuple]:
     """One case per equation shape."""
     b, h, s, t, e, f = d.shape(6)
@@ -320,6 +340,16 @@ LINEAR: dict[str, Maker] = {
     "baddbmm.default": _baddbmm,
     "addbmm.default": _addbmm,
     "einsum.default": cases(_einsum),
+    "mv.default": cases(lambda d: [(d.f(d.n(), 6), d.f(6))]),
+    "dot.default": cases(lambda d: [(d.f(6), d.f(6))]),
+    "vdot.default": cases(lambda d: [(d.f(12), d.f(12))]),
+    "outer.default": cases(lambda d: [(d.f(d.n()), d.f(d.n()))]),
+    "ger.default": cases(lambda d: [(d.f(d.n()), d.f(d.n()))]),
+    "inner.default": cases(_inner),
+    "tensordot.default": cases(_tensordot),
+    "linalg_vecdot.default": _vecdot,
+    "linalg_multi_dot.default": cases(_multi_dot),
+    "chain_matmul.default": cases(lambda d: [([d.f(d.n(), 6), d.f(6, 12), d.f(12, d.n())],)]),
 }
 
 

@@ -132,6 +132,11 @@ _VIEW: dict[str, Maker] = {
     "permute.default": _x3(lambda d, x: [(x, [2, 0, 1])]),
     "t.default": cases(lambda d: [(d.f(*d.shape(2)),), (d.f(d.n()),)]),
     "movedim.int": _x3(lambda d, x: [(x, 0, -1)]),
+    "swapaxes.default": _x3(lambda d, x: [(x, 0, 2), (x, -1, -2)]),
+    "swapdims.default": _x3(lambda d, x: [(x, 1, 0)]),
+    "numpy_T.default": cases(lambda d: [(d.f(*d.shape(2)),), (d.f(*d.shape(3)),), (d.f(d.n()),)]),
+    **{op: _x3(lambda d, x: [(x,)]) for op in ["mT.default", "mH.default", "adjoint.default"]},
+    "matrix_H.default": cases(lambda d: [(d.f(*d.shape(2)),)]),  # x.H: 2-D only
     **{op: _split(op) for op in ["split.Tensor", "chunk.default", "split_with_sizes.default", "unbind.int"]},
     **{op: _split(op) for op in ["tensor_split.sections", "tensor_split.indices"]},
     "slice.Tensor": _x3(lambda d, x: [(x, 1, 2, 5), (x, 0, 0, INT_MAX), (x, -1, 0, INT_MAX, 2)]),

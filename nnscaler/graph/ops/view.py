@@ -174,19 +174,38 @@ def expand(call: OpCall) -> str:
     return " ".join(in_ids) + _shape_from(call, out_text) + " -> " + out_text
 
 
-@rule(["aten.transpose.int", "aten.permute.default", "aten.t.default", "aten.movedim.int"], "view")
+_LAST_TWO = ("aten.mT.default", "aten.mH.default", "aten.adjoint.default", "aten.matrix_H.default")
+"""Swap the last two dims (the H ones conjugate too: elementwise)."""
+
+
+@rule(
+    [
+        "aten.transpose.int",
+        "aten.permute.default",
+        "aten.t.default",
+        "aten.movedim.int",
+        "aten.swapaxes.default",
+        "aten.swapdims.default",
+        "aten.numpy_T.default",  # x.T: every dim reversed
+        *_LAST_TWO,
+    ],
+    "view",
+)
 def permute(call: OpCall) -> str:
     rank = len(call.inputs[0].shape)
     ids = letters(rank)
     op = call.node.op
-    if op == "aten.transpose.int" or op == "aten.movedim.int":
+    if op in _LAST_TWO:
+        out = list(ids)
+        out[-2], out[-1] = out[-1], out[-2]
+    elif op in ("aten.transpose.int", "aten.movedim.int", "aten.swapaxes.default", "aten.swapdims.default"):
         a, b = call.args[1] % max(rank, 1), call.args[2] % max(rank, 1)
         out = list(ids)
-        if op == "aten.transpose.int":
+        if op != "aten.movedim.int":
             out[a], out[b] = out[b], out[a]
         else:
             out.insert(b, out.pop(a))
-    elif op == "aten.t.default":
+    elif op in ("aten.t.default", "aten.numpy_T.default"):
         out = list(reversed(ids))
     else:
         out = [ids[d % rank] for d in call.args[1]]
