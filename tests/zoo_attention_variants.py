@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["build_alibi", "build_einsum_relpos", "SEQ"]
+__all__ = ["build_alibi", "build_einsum_relpos", "build_hf_bloom", "SEQ"]
 
 SEQ = 16
 VOCAB = 32
@@ -143,3 +143,29 @@ def build_alibi(seed: int = 0):
 def build_einsum_relpos(seed: int = 0):
     torch.manual_seed(seed)
     return Decoder(alibi=False).train(), _tokens
+
+
+def build_hf_bloom(seed: int = 0):
+    """BLOOM from transformers, unmodified (its ALiBi attention is the `baddbmm` form), tiny sizes."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    config = BloomConfig(
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        use_cache=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = BloomForCausalLM(config).train()
+
+    def make_batch(seed: int, batch_size: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    return model, make_batch

@@ -213,7 +213,7 @@ def _rewrite(graph: Graph, m: AttentionMatch, taken: set[str], base: str):
         return None
     q, k, v, lead = operands
     dtype = em.meta(q).dtype
-    if graph.values[m.score.outputs[0]].meta.dtype != dtype:
+    if {graph.values[x.outputs[0]].meta.dtype for x in (m.score, m.product)} != {dtype}:
         return None
     mask = _mask(em, m, lead, dtype)
     if mask is None:

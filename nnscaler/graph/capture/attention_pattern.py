@@ -8,7 +8,7 @@ the next (the scores and probabilities are not used elsewhere):
     scores = scores * c | scores / c                (c a positive Python number: the scale)
     scores = scores + bias | scores - bias          (any tensor broadcasting to the scores)
     scores = masked_fill(scores, m, -inf) | where(m, scores, -inf)   (or fill = the dtype's min)
-    probs  = softmax(scores, -1)                    (its dtype argument the scores' own)
+    probs  = softmax(scores, -1)                    (in float32 for half scores if cast straight back)
     probs  = dropout(probs, p)                      (p == 0, or the trace's mode is eval)
     out    = bmm(probs, v) | matmul(probs, v) | einsum(probs, v)
 
@@ -84,10 +84,6 @@ def _number(arg: object) -> float | None:
     return float(arg)
 
 
-def _dtype_name(dtype: object) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 class _Finder:
     def __init__(self, graph: Graph):
         self.graph = graph
@@ -109,39 +105,44 @@ class _Finder:
             return None
         return self.producer.get(name)
 
-    def keeps_rows(self, node: Node) -> bool:
-        """A view/cast that leaves the last two dims and the dtype as they are."""
+    def keeps_rows(self, node: Node, any_dtype: bool = False) -> bool:
+        """A view/cast that leaves the last two dims and (unless `any_dtype`) the dtype as they are."""
         src, out = _ref(node.args[0]), node.outputs[0]
         if src is None or self.graph.values[src].meta is None:
             return False
         if node.op in VIEWS:
             a, b = self.shape(src), self.shape(out)
             return len(a) >= 3 and len(b) >= 3 and a[-2:] == b[-2:] and math.prod(a) == math.prod(b)
-        return node.op in _CASTS and self.dtype(src) == self.dtype(out)
+        return node.op in _CASTS and (any_dtype or self.dtype(src) == self.dtype(out))
 
-    def after_softmax(self, name: str, reader: Node, chain: list[Node]) -> AttentionMatch | None:
+    def after_softmax(
+        self, name: str, reader: Node, chain: list[Node], cast_back: str | None = None
+    ) -> AttentionMatch | None:
+        """Walk back from the probabilities to the softmax; `cast_back`: the dtype a cast after it
+        returned to (a softmax computed in float32 for half scores)."""
         node = self.sole_link(name, reader)
         if node is None:
             return None
         chain.append(node)
         if node.op in _SOFTMAX:
+            src = _ref(node.args[0])
             rank = len(self.shape(node.outputs[0]))
-            dim = node.args[1]
-            dtype = node.args[2] if len(node.args) > 2 else node.kwargs.get("dtype")
-            if node.op == "aten._softmax.default":
-                dtype = None if not dtype else "float32"  # half_to_float
-            if dim not in (-1, rank - 1) or (dtype is not None and _dtype_name(dtype) != self.dtype(name)):
+            if src is None or node.args[1] not in (-1, rank - 1):
                 return None
-            return self.before_softmax(_ref(node.args[0]), node, chain, [])
+            if self.dtype(name) != self.dtype(src) and cast_back != self.dtype(src):
+                return None  # probabilities in another dtype than the scores
+            return self.before_softmax(src, node, chain, [])
         if node.op == "aten.dropout.default":
             p, train = node.args[1], node.args[2]
             p = p.train if isinstance(p, ModeValue) else p
             train = train.train if isinstance(train, ModeValue) else train
             if p and train:
                 return None
+        elif node.op in _CASTS and cast_back is None and self.keeps_rows(node, any_dtype=True):
+            cast_back = self.dtype(name)
         elif not self.keeps_rows(node):
             return None
-        return self.after_softmax(_ref(node.args[0]), node, chain)
+        return self.after_softmax(_ref(node.args[0]), node, chain, cast_back)
 
     def before_softmax(
         self, name: str | None, reader: Node, chain: list[Node], steps: list[BiasStep]
