@@ -25,6 +25,8 @@ def test_unequal_stack_matches_one_device(tmp_path):
         ParityCase(GNN, "pp", 2, config_kwargs=PIPELINE, nmicros=2, optimizer="sgd"),
     ]
     results = run_parity_many(cases, 2, tmp_path=tmp_path, timeout=280)
+    tp = [r["local_param_fraction"] for r in results[1]]
+    assert max(tp) <= 0.6, f"tp 2 keeps {max(tp):.0%} of the unequal stack's parameters on a rank"
     for case, per_rank in zip(cases, results):
         if case.policy == "pp":  # each rank holds one stage's weights, never all or none of them
             fractions = [r["local_param_fraction"] for r in per_rank]
