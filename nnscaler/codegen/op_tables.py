@@ -30,6 +30,8 @@ METHOD = {  # aten op -> tensor method taking the remaining positional args
     "aten.masked_fill.Tensor": "masked_fill",
     "aten.max.default": "max",  # over every element (a value check's `labels.max()`)
     "aten.min.default": "min",
+    "aten.all.default": "all",
+    "aten.any.default": "any",
 }
 BINARY = {
     "aten.add.Tensor": "+",
@@ -59,6 +61,7 @@ BINARY = {
 }
 TORCH_FN = {
     "aten.rsqrt.default": "torch.rsqrt",
+    "aten.isfinite.default": "torch.isfinite",
     "aten.sqrt.default": "torch.sqrt",
     "aten.exp.default": "torch.exp",
     "aten.log.default": "torch.log",

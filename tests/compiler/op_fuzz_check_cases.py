@@ -1,5 +1,6 @@
 """Fuzz cases (tests/compiler/test_op_fuzz.py) for the ops of issue 40's value checks and CTC head:
-the check op itself (its 0-d condition is never split), `x.max()` / `x.min()` over every element, and
+the check op itself (its 0-d condition is never split), `x.max()` / `.min()` / `.all()` / `.any()` over
+every element, `torch.isfinite`, and
 `aten.ctc_loss` (split by the batch for padded targets and tensor lengths)."""
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ def _value_check(d: Draw) -> list[tuple]:
 
 def _all_elements(d: Draw) -> list[tuple]:
     return [(d.f(d.n(), d.n()),), (d.f(d.n()),), (torch.randint(0, 9, (d.n(), 3), generator=d.gen),)]
+
+
+def _bools(d: Draw) -> list[tuple]:
+    return [(d.f(d.n(), d.n()) > 0,), (d.f(d.n()) > -9,), (torch.zeros(d.n(), 2, dtype=torch.bool),)]
+
+
+def _finite(d: Draw) -> list[tuple]:
+    x = d.f(d.n(), d.n())
+    x[0, 0], x[-1, -1] = float("inf"), float("nan")
+    return [(x,), (d.f(d.n()),)]
 
 
 def _ctc(d: Draw) -> list[tuple]:
@@ -50,6 +61,9 @@ CHECK_CASES: dict[str, Maker] = {
     "nnscaler_check.value_check.default": cases(_value_check),
     "aten.max.default": cases(_all_elements),
     "aten.min.default": cases(_all_elements),
+    "aten.all.default": cases(_bools),
+    "aten.any.default": cases(_bools),
+    "aten.isfinite.default": cases(_finite),
     "aten.ctc_loss.Tensor": cases(_ctc),
     "aten.ctc_loss.IntList": cases(_ctc_lists),
 }

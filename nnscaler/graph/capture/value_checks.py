@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.fx.node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.overrides import TorchFunctionMode
 
 from nnscaler.graph.ops.check import VALUE_CHECK_OP
@@ -230,7 +231,10 @@ def _record(cond: torch.Tensor, raise_when: bool, exc: str, message: str, where:
 
 
 def _traced(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and torch._subclasses.fake_tensor.is_fake(t) and t.numel() == 1
+    """A traced (fake) tensor of one element; asking adds no guard on symbolic sizes."""
+    if not isinstance(t, torch.Tensor) or not torch._subclasses.fake_tensor.is_fake(t):
+        return False
+    return statically_known_true(t.numel() == 1)
 
 
 class _ValueCheckMode(TorchFunctionMode):

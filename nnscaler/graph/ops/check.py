@@ -8,6 +8,7 @@ check their own batch), so each rank checks the values it sees and raises itself
 
 from __future__ import annotations
 
+from nnscaler.graph.ops.elementwise import elementwise
 from nnscaler.graph.ops.reduce import non_additive
 from nnscaler.graph.ops.registry import OpRule, fixed, register_rule
 
@@ -25,6 +26,8 @@ def is_value_check(op: str) -> bool:
 
 fixed(VALUE_CHECK_OP, "check", " -> ")
 
-# `x.max()` / `x.min()` over every element: a max over split pieces is not a sum, so kept whole (`^`)
-for _op in ("aten.max.default", "aten.min.default"):
+# what checks are written with: `x.max()` / `x.min()` / `.all()` / `.any()` over every element (a max
+# over split pieces is not a sum: reduced dims stay whole, `^`), and `torch.isfinite(x)`
+for _op in ("aten.max.default", "aten.min.default", "aten.all.default", "aten.any.default"):
     register_rule(OpRule(_op, non_additive, "reduce"))
+register_rule(OpRule("aten.isfinite.default", elementwise, "elementwise"))
