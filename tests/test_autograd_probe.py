@@ -107,6 +107,52 @@ class Picky(torch.autograd.Function):
         return grad
 
 
+class ScaledSwiGLU(torch.autograd.Function):
+    """Two inputs, a gate broadcast over the rows and a float argument: elementwise."""
+
+    @staticmethod
+    def forward(ctx, x, gate, scale: float):
+        ctx.save_for_backward(x, gate)
+        ctx.scale = scale
+        return F.silu(gate) * x * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, gate = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        dgate = grad * x * ctx.scale * sig * (1 + gate * (1 - sig))
+        if gate.shape[0] == 1 and dgate.shape[0] != 1:
+            dgate = dgate.sum(0, keepdim=True)  # the gate broadcast over the rows
+        return grad * F.silu(gate) * ctx.scale, dgate, None
+
+
+class SumOfList(torch.autograd.Function):
+    """A list of tensors in: their elementwise sum."""
+
+    @staticmethod
+    def forward(ctx, xs):
+        ctx.n = len(xs)
+        return torch.stack(xs).sum(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+class EightRows(torch.autograd.Function):
+    """Elementwise, but written for exactly 8 rows (the traced batch)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        if x.shape[0] != 8:
+            raise ValueError(f"8 rows expected, got {x.shape[0]}")
+        return x.cos()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def _probe(fn: type, *shapes: tuple[int, ...], out: tuple[int, ...] | None = None) -> str | None:
     metas = [TensorMeta(s, "float32", True) for s in shapes]
     args = tuple(Ref(f"in{i}") for i in range(len(shapes)))
@@ -120,6 +166,25 @@ def test_elementwise_function_gets_every_dim():
 def test_row_wise_function_keeps_its_rows_whole():
     assert _probe(RowNorm, (4, 6, 8), (8,)) == "a b c^, c^ -> a b c^"
     assert _probe(Picky, (4, 6)) == "a b^ -> a b^"
+
+
+def test_several_inputs_broadcasts_and_literal_arguments():
+    metas = [TensorMeta((4, 6), "float32", True), TensorMeta((1, 6), "float32", True)]
+    args = (Ref("x"), Ref("g"), 0.5)
+    got = probe_annotation(ScaledSwiGLU.apply, args, metas, [TensorMeta((4, 6), "float32", True)])
+    assert got == "a b, 1 b -> a b"
+    metas = [TensorMeta((4, 6), "float32", False)] * 3
+    args = ([Ref("x"), Ref("y"), Ref("z")],)
+    got = probe_annotation(SumOfList.apply, args, metas, [TensorMeta((4, 6), "float32", False)])
+    assert got == "a b, a b, a b -> a b"
+
+
+def test_large_inputs_are_probed_small_or_else_at_their_traced_sizes():
+    from nnscaler.graph.ops.probe import PROBE_NUMEL
+
+    wide = PROBE_NUMEL // 8 + 8  # 8 rows of it: over PROBE_NUMEL, so the rows shrink to 4 first
+    assert _probe(TanhGelu, (8, wide)) == "a b -> a b"
+    assert _probe(EightRows, (8, wide)) == "a^ b -> a^ b"  # raises on 4 rows: probed again on 8
 
 
 def test_mixing_dims_are_not_split():

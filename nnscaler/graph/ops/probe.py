@@ -11,11 +11,17 @@ is plain in the annotation; any other is `^`. Elementwise functions get every di
 ones (a norm, a softmax over the last dim) every dim but the last. None when no dim passes, or the
 function cannot be probed (it raises on the probe's inputs, takes values the probe cannot make):
 then it stays unannotated, kept whole with the usual warning.
+
+The halves are views (not contiguous along the later dims); a function that raises on them keeps that
+dim whole. Inputs of more than PROBE_NUMEL elements are probed with their leading dims shrunk to 4;
+a function that raises on those is probed again at its traced sizes (up to 4M elements), then on the
+GPU if there is one. A backward that raises on the whole inputs is not checked (it would fail alike
+whole or split). The user's random stream is left as it was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,6 +33,8 @@ __all__ = ["probe_annotation", "PROBE_NUMEL"]
 
 PROBE_NUMEL = 1 << 16
 """Probe at the traced sizes up to this many output elements; above, the leading dims shrink to 4."""
+_FULL_NUMEL = 1 << 22
+"""A function that raises on the shrunk sizes is probed again at the traced ones up to this size."""
 _DRAWS = 2
 _TOL = {torch.float64: (1e-9, 1e-12), torch.float32: (1e-5, 1e-6)}
 _LOOSE = (1e-2, 1e-3)
@@ -100,10 +108,25 @@ class _Probe:
         self.run, self.args, self.metas = run, args, metas
         self.out_shape = _probe_shape(out_shape)
         self.follow = [_aligned(m.shape, out_shape) for m in metas]
+        self.device = torch.device("cpu")
 
     def inputs(self, gen: torch.Generator) -> list[torch.Tensor]:
         shapes = [tuple(1 if d is None else self.out_shape[d] for d in follow) for follow in self.follow]
-        return [_random(m, s, gen) for m, s in zip(self.metas, shapes)]
+        return [_random(m, s, gen).to(self.device) for m, s in zip(self.metas, shapes)]
+
+    def variants(self, traced: tuple[int, ...]) -> Iterator[_Probe]:
+        """This probe, then at the traced sizes (if they were shrunk and are not too large), then on
+        the GPU: the next is tried when a forward raises on the whole inputs."""
+        yield self
+        numel = 1
+        for s in traced:
+            numel *= s
+        if self.out_shape != traced and numel <= _FULL_NUMEL:
+            self.out_shape = traced
+            yield self
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda")
+            yield self
 
     def call(self, tensors: list[torch.Tensor], grads: list[torch.Tensor] | None):
         """(outputs, input gradients or None where backward cannot run)."""
@@ -182,11 +205,15 @@ def probe_annotation(
     dims = [d for d, size in enumerate(probe.out_shape) if size > 1]
     splittable = set(dims)
     gen = torch.Generator().manual_seed(0)
-    try:
-        with torch.random.fork_rng(devices=[]):  # a forward that draws leaves the user's stream as it was
-            splittable = _passing(probe, splittable, len(out_metas), gen)
-    except Exception:  # noqa: BLE001  (a function the probe cannot run stays whole)
-        return None
+    for variant in probe.variants(out_shape):
+        try:
+            gpu = [torch.cuda.current_device()] if variant.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=gpu):  # a forward that draws leaves the user's stream alone
+                passed = _passing(variant, splittable, len(out_metas), gen)
+            break
+        except Exception:  # noqa: BLE001  (a function the probe cannot run stays whole)
+            passed = set()
+    splittable = passed
     if not splittable:
         return None
     ids = [i + ("" if d in splittable else "^") for d, i in enumerate(letters(len(out_shape)))]
