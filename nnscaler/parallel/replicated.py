@@ -9,6 +9,7 @@ does not split it. Shares are of the whole model's (the stages' together); each 
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
@@ -180,7 +181,7 @@ def replicated_share(graph: Graph, plan, program, cfg=None) -> ReplicatedShare:
 
     def add(why: Why, example: str, params=0, nbytes=0, ops=0, flops=0.0, own=True):
         g = groups.setdefault(
-            why, {"bytes": 0, "flops": 0.0, "ops": 0, "params": 0, "ex": example, "size": -1.0}
+            why, {"bytes": 0, "flops": 0.0, "ops": 0, "params": 0, "ex": example, "size": -math.inf}
         )
         size = (
             flops if ops else float(nbytes) - 1e30
