@@ -40,6 +40,14 @@ def test_annotation_from_the_equation(equation, shapes, expected):
     assert len(ids) == out.dim()  # the output annotation has the traced output's rank
 
 
+def test_flops_count_every_letter_once():
+    from nnscaler.graph.ops.einsum import einsum_flops
+
+    assert einsum_flops("bhqd,bhkd->bhqk", [(2, 4, 6, 8), (2, 4, 5, 8)]) == 2 * 2 * 4 * 6 * 5 * 8
+    assert einsum_flops("...ij,jk", [(5, 2, 3), (3, 4)]) == 2 * 5 * 2 * 3 * 4
+    assert einsum_flops("bsd,fd->bsf", [(2, 3, 8), (16, 8)]) == 2 * 2 * 3 * 8 * 16
+
+
 def test_malformed_equations_raise():
     with pytest.raises(AnnotationError, match="operands"):
         einsum_annotation("ij,jk->ik", [(2, 3)])

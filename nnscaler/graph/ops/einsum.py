@@ -16,7 +16,7 @@ from collections import Counter
 from nnscaler.graph.ops.annotation import AnnotationError
 from nnscaler.graph.ops.registry import OpCall, rule
 
-__all__ = ["einsum_annotation"]
+__all__ = ["einsum_annotation", "einsum_flops", "parse_equation"]
 
 _ELLIPSIS = "."
 
@@ -90,6 +90,24 @@ def einsum_annotation(equation: str, shapes: list[tuple[int, ...]]) -> str:
         for ids, shape in zip(dims, shapes)
     ]
     return ", ".join(ins) + " -> " + " ".join(name(i) for i in out_ids)
+
+
+def einsum_flops(equation: str, shapes: list[tuple[int, ...]]) -> float:
+    """Forward FLOPs of the einsum as one contraction: 2 x the product of every letter's size (a
+    multiply and an add per term; for more than two operands, the cost without an intermediate)."""
+    operands, _ = parse_equation(equation, len(shapes))
+    n_ell = max(
+        (len(shape) - (len(labels) - 1) for labels, shape in zip(operands, shapes) if _ELLIPSIS in labels),
+        default=0,
+    )
+    size: dict[str, int] = {}
+    for labels, shape in zip(operands, shapes):
+        for ident, n in zip(_expand(labels, len(shape), n_ell), shape):
+            size[ident] = max(size.get(ident, 1), n)
+    total = 2.0
+    for n in size.values():
+        total *= n
+    return total
 
 
 @rule("aten.einsum.default", "linear")
