@@ -24,6 +24,7 @@ from nnscaler.policies.staging import candidate_levels
 
 __all__ = [
     "TARGET",
+    "MAX_CANDIDATES",
     "COMM_FLOPS_PER_BYTE",
     "Segments",
     "StageChoice",
@@ -80,6 +81,9 @@ class StageChoice:
         return max(self.costs) / low if low > 0 else math.inf
 
 
+MAX_CANDIDATES = 512
+"""Finer levels with more places than this are skipped by the Python DP (about 1 s at 8 stages)."""
+
 _EVENER = 1.25
 """... or by at most _CLOSE costlier with a heaviest/lightest ratio this many times smaller."""
 
@@ -97,10 +101,12 @@ def choose_stages(
     mem_limit: float = math.inf,
     dp: DP = stage_dp_py,
     target: float = TARGET,
+    max_candidates: int = MAX_CANDIDATES,
 ) -> StageChoice | None:
     """The balanced stages (see the module docstring); None when no split fits `mem_limit`. `whole`:
     module paths no stage start may fall inside (recomputed modules). Raises PlanError when there are
-    fewer places to start a stage than stages."""
+    fewer places to start a stage than stages. Levels finer than the first with more than
+    `max_candidates` places are not tried (the DP is quadratic in them)."""
     levels = candidate_levels(graph, pivots, whole)
     if nstages > len(levels[-1][1]):
         where = (
@@ -114,8 +120,8 @@ def choose_stages(
             + (" or finer pipeline_pivots" if pivots else "")
         )
     best: StageChoice | None = None
-    for level, cands in levels:
-        if len(cands) < nstages:
+    for k, (level, cands) in enumerate(levels):
+        if len(cands) < nstages or (k and len(cands) > max_candidates):
             continue
         segs = segments_for(cands)
         need = [1 if p > 0 else 0 for p in segs.param]

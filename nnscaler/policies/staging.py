@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 
 from nnscaler.errors import PlanError
-from nnscaler.graph.ir import Graph
+from nnscaler.graph.ir import Graph, graph_fact
 from nnscaler.policies.op_cost import graph_costs
 
 __all__ = [
@@ -122,7 +122,16 @@ def candidate_levels(
     where attention scores, an MLP's inner activation or a graph network's per-edge messages would
     cross) and at most CROSS_FACTOR times the bytes crossing there.
     Places where a non-tensor value would cross (stages pass tensors only) or inside a module of
-    `whole` (recomputed modules: each is checkpointed in one stage) are left out."""
+    `whole` (recomputed modules: each is checkpointed in one stage) are left out. Computed once per
+    graph, pivots and `whole` (a search asks for every configuration it scores)."""
+    memo = graph_fact(graph, "staging.candidate_levels", lambda _: {})
+    key = (tuple(pivots), tuple(whole))
+    if key not in memo:
+        memo[key] = _candidate_levels(graph, tuple(pivots), tuple(whole))
+    return [(name, list(cands)) for name, cands in memo[key]]
+
+
+def _candidate_levels(graph: Graph, pivots: tuple[str, ...], whole: tuple[str, ...]):
     costs = graph_costs(graph)
     inside = _inside_whole(graph, whole)
     if pivots:
