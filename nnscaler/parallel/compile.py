@@ -122,15 +122,15 @@ def compile_module(
     seconds["plan"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     partition = apply_pipeline if plan.pipeline else apply_plan
-    program = partition(graph, plan, fold_weight_grads=_folds_weight_grads(cfg))
+    try:
+        program = partition(graph, plan, fold_weight_grads=_folds_weight_grads(cfg))
+    except Exception:
+        _write_plan_report(outdir, graph, plan, cfg, None)  # what was chosen, to debug the failure
+        raise
     seconds["partition"] = time.perf_counter() - t0
     unsplit = _unsplit(graph, plan, program)
     whole = replicated_share(graph, plan, program, cfg) if cfg.plan_ngpus > 1 else None
-    if plan.policy == "autodist":  # what it chose and why, beside the generated code
-        from nnscaler.policies.autodist.report import plan_report_text
-
-        section = whole.markdown() if whole is not None else []
-        write_atomic(outdir / "plan_report.md", plan_report_text(graph, plan, cfg, section))
+    _write_plan_report(outdir, graph, plan, cfg, whole)
     t0 = time.perf_counter()
     full_shapes = {k: v.meta.shape for k, v in graph.values.items() if v.meta is not None}
     plan_id = plan_fingerprint(graph_file.read_bytes(), plan.to_json(), cfg)
@@ -153,6 +153,18 @@ def compile_module(
         _log.info("%s", unsplit_summary(unsplit))
     _log.info("generated code: %s", outdir / f"gencode{{0..{cfg.runtime_ngpus - 1}}}.py")
     return CompileResult(outdir, graph, seconds, unsplit, whole)
+
+
+def _write_plan_report(
+    outdir: Path, graph: Graph, plan: Any, cfg: ComputeConfig, whole: ReplicatedShare | None
+):
+    """autodist's plan_report.md (what it chose and why) beside the generated code, with what stays whole."""
+    if plan.policy != "autodist":
+        return
+    from nnscaler.policies.autodist.report import plan_report_text
+
+    section = whole.markdown() if whole is not None else []
+    write_atomic(outdir / "plan_report.md", plan_report_text(graph, plan, cfg, section))
 
 
 def _unsplit(graph: Graph, plan: Any, program: Any) -> list[UnsplitWeight]:
