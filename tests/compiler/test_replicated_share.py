@@ -8,6 +8,7 @@ Megatron MLP that splits, and one made only of such MLPs.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 
@@ -100,6 +101,10 @@ def test_partly_whole_shares_match_a_hand_count(partly):
     assert share.flops == pytest.approx(up + gelu + down + whole_f, rel=0.02)
     assert share.flops_share == pytest.approx(whole_f / (up + gelu + down + whole_f), abs=0.01)
     assert len(share.stages) == 1 and share.stages[0].devices == (0, 1)
+    # one rank holds the whole weights and half of each split one
+    assert share.local_share == pytest.approx((whole + split / 2) / (split + whole))
+    assert json.loads(json.dumps(share.to_dict()))["param_share"] == share.param_share
+    assert partly.unsplit[0].name == "opaque.lin.weight"  # the largest whole weight, as before
 
 
 def _reason(share: ReplicatedShare, kind: str):
