@@ -1,7 +1,8 @@
-"""A hand-written MLP stack (tests/zoo_handwritten.py: einsum projections, a GeLU written as a custom
-autograd.Function with no annotation) trains exactly as on one device under dp (1, 2), tp (2, 2),
-pp (2, 2) and autodist (2, 2), SGD, every parameter compared; under tp the einsum projections are
-column- and row-parallel around the probed GeLU, so a rank keeps at most 60% of the parameters.
+"""A hand-written MLP stack (tests/zoo_handwritten.py: einsum projections, a GeLU and an RMS norm written
+as custom autograd.Functions with no annotation) trains exactly as on one device under dp (1, 2), tp
+(2, 2), pp (2, 2), autodist (2, 2) and data (2, 2), SGD, every parameter compared; under tp the einsum
+projections are column- and row-parallel around the probed GeLU, so a rank keeps at most 60% of the
+parameters.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ def test_einsum_and_autograd_gelu_mlp_matches_one_device(tmp_path):
         ParityCase(MODEL, "tp", 2, optimizer="sgd"),
         ParityCase(MODEL, "pp", 2, config_kwargs=PIPELINE, nmicros=2, optimizer="sgd"),
         ParityCase(MODEL, "autodist", 2, optimizer="sgd"),
+        # the batch split over the plan: the row-wise RmsNorm Function runs on each rank's rows, its
+        # weight's gradient summed over them
+        ParityCase(MODEL, "data", 2, optimizer="sgd"),
     ]
     results = run_parity_many(cases, 2, tmp_path=tmp_path, timeout=280)
     tp = results[1]

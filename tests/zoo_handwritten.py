@@ -1,6 +1,7 @@
 """A hand-written MLP stack for the op-rule tests of issue 40 (tests/test_handwritten_ops_parity.py).
 
-`build_einsum_gelu`: token embedding, then LAYERS residual blocks, each an RMS norm, an up projection
+`build_einsum_gelu`: token embedding, then LAYERS residual blocks, each an RMS norm written as a custom
+`torch.autograd.Function` (`RmsNorm`, row-wise, with a weight), an up projection
 written as `torch.einsum("bsd,fd->bsf", x, w)` plus a bias, a GeLU written as a custom
 `torch.autograd.Function` (`TanhGelu`, module level so generated code can import it, with its own
 hand-written backward), and a down projection `torch.einsum("bsf,df->bsd", h, w)`; then a norm and a
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TanhGelu", "build_einsum_gelu", "SEQ"]
+__all__ = ["TanhGelu", "RmsNorm", "build_einsum_gelu", "SEQ"]
 
 SEQ = 8
 VOCAB = 16
@@ -40,16 +41,35 @@ class TanhGelu(torch.autograd.Function):
         return grad * (0.5 * (1.0 + t) + 0.5 * x * dt)
 
 
+class RmsNorm(torch.autograd.Function):
+    """RMS norm with a weight, forward and backward by hand (row-wise: each row on its own)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        ctx.save_for_backward(x, weight, inv)
+        return x * inv * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, inv = ctx.saved_tensors
+        normed = x * inv
+        gw = (grad * normed).flatten(0, -2).sum(0)
+        gn = grad * weight
+        gx = inv * (gn - normed * (gn * normed).mean(-1, keepdim=True))
+        return gx, gw
+
+
 class EinsumMlp(nn.Module):
     def __init__(self, width: int, hidden: int):
         super().__init__()
-        self.norm = nn.RMSNorm(width)
+        self.norm_weight = nn.Parameter(torch.ones(width) + 0.1 * torch.randn(width))
         self.w_up = nn.Parameter(torch.randn(hidden, width) / width**0.5)
         self.b_up = nn.Parameter(torch.zeros(hidden))
         self.w_down = nn.Parameter(torch.randn(width, hidden) / hidden**0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.einsum("bsd,fd->bsf", self.norm(x), self.w_up) + self.b_up
+        h = torch.einsum("bsd,fd->bsf", RmsNorm.apply(x, self.norm_weight), self.w_up) + self.b_up
         return x + torch.einsum("bsf,df->bsd", TanhGelu.apply(h), self.w_down)
 
 
