@@ -10,9 +10,12 @@ its weights.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import inspect
 import math
 import re
+import sys
 import threading
 import time
 import warnings
@@ -109,6 +112,47 @@ def test_an_inner_budget_leaves_the_outer_interrupt_alone():
     with pytest.raises(TraceBudgetExceeded) as info:
         run_within(TraceBudget(0.2), inner)
     assert info.value.seconds == 0.2 and time.monotonic() - start < 20
+
+
+def test_an_import_or_a_context_exit_is_not_cut_short(tmp_path, monkeypatch):
+    (tmp_path / "slow_import_mod.py").write_text(
+        "import time\nend = time.monotonic() + 0.5\nwhile time.monotonic() < end:\n    pass\nDONE = True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    restored = []
+
+    @contextlib.contextmanager
+    def slow_exit():
+        try:
+            yield
+        finally:
+            _busy(0.5)
+            restored.append(True)
+
+    def work() -> None:
+        importlib.import_module("slow_import_mod")
+        with slow_exit():
+            pass
+        _busy(30)
+
+    with pytest.raises(TraceBudgetExceeded):
+        run_within(TraceBudget(0.1), work)
+    assert sys.modules["slow_import_mod"].DONE and restored == [True]
+
+
+def test_torch_state_left_by_a_cut_trace_is_restored():
+    class Mode(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def work() -> None:
+        torch.set_grad_enabled(False)
+        Mode().__enter__()  # never left, as when a trace is cut short between enter and exit
+        _busy(30)
+
+    with pytest.raises(TraceBudgetExceeded):
+        run_within(TraceBudget(0.2), work)
+    assert torch.is_grad_enabled() and torch._C._len_torch_dispatch_stack() == 0
 
 
 def test_no_budget_runs_to_the_end():

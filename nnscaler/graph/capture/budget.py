@@ -9,11 +9,17 @@ thread; `except Exception` handlers inside torch do not catch it), and turns it 
 `TraceBudgetExceeded`, naming the user's source line the trace was at. The caller then traces with
 fixed sizes. The watchdog is cancelled under a lock once the work returns, and an interrupt it set but
 Python had not yet raised is cleared, so none can surface after `run_within` returns.
+
+An interrupt can land at any bytecode, so the watchdog waits while the thread imports a module (a
+module cut short stays half-initialised in sys.modules) or leaves a context manager (`__exit__`), and
+the thread-local torch state a cut trace may leave changed (mode stacks, grad mode, dispatch key
+sets, dynamo's frame callback, the tracing context) is put back before the fixed-size trace.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import sys
 import sysconfig
@@ -23,6 +29,8 @@ import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import torch
 
 from nnscaler.errors import TraceError
 
@@ -36,6 +44,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 
 _LIBRARY_PARTS = ("/torch/", "/nnscaler/", "/sympy/", "/mpmath/", "/functorch/")
 _STDLIB = sysconfig.get_paths().get("stdlib", "\0")
@@ -106,6 +115,11 @@ class _Watchdog:
             if self.cancelled:
                 return
             frame = sys._current_frames().get(self.tid)
+            if frame is not None and _unsafe_to_interrupt(frame):  # wait until it is out of there
+                self.timer = threading.Timer(_RETRY_S, self._fire)
+                self.timer.daemon = True
+                self.timer.start()
+                return
             stack = traceback.extract_stack(frame) if frame is not None else []
             # only what runs inside run_within's work: not the caller's frames around it
             starts = [i for i, f in enumerate(stack) if f.name == "run_within" and f.filename == __file__]
@@ -123,6 +137,103 @@ class _Watchdog:
             return self.fired
 
 
+_RETRY_S = 0.02
+
+
+def _unsafe_to_interrupt(frame: Any) -> bool:
+    """Whether the thread is importing a module (cut short, it would stay half-initialised in
+    sys.modules, and importing it again fails) or leaving a context manager (cut short, the state it
+    restores would stay changed)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "run_within" and code.co_filename == __file__:
+            return False  # only the work's own frames count
+        if code.co_filename.startswith("<frozen importlib") or code.co_name in ("__exit__", "__aexit__"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _TorchState:
+    """This thread's torch state that a trace cut short at any bytecode (even inside a `finally`) may
+    leave changed: grad mode, the Python dispatch and function mode stacks, the dispatcher's local key
+    sets, dynamo's frame callback and the tracing context. `restore` puts back what differs."""
+
+    def __init__(self) -> None:
+        from torch._C._dynamo import eval_frame
+
+        self.grad = torch.is_grad_enabled()
+        self.dispatch = torch._C._len_torch_dispatch_stack()
+        self.infra = {
+            k: torch._C._get_dispatch_mode(k) for k in torch._C._TorchDispatchModeKey.__members__.values()
+        }
+        self.function = torch._C._len_torch_function_stack()
+        self.include = torch._C._dispatch_tls_local_include_set().raw_repr()
+        self.exclude = torch._C._dispatch_tls_local_exclude_set().raw_repr()
+        self.callback = eval_frame.get_eval_frame_callback()
+        self.context = torch._guards.TracingContext.try_get()
+
+    @classmethod
+    def capture(cls) -> _TorchState | None:
+        """The state now; None where this torch lacks one of the private hooks it reads."""
+        try:
+            return cls()
+        except (AttributeError, TypeError, ImportError) as exc:  # another torch release
+            _log.debug("torch state is not saved around the budgeted trace: %s", exc)
+            return None
+
+    def restore(self) -> list[str]:
+        """Put the state back; what had to be restored, for the log."""
+        from torch._C._dynamo import eval_frame
+
+        fixed = []
+        for key, mode in self.infra.items():  # fake / proxy / functional modes live in slots of their own
+            if torch._C._get_dispatch_mode(key) is not mode:
+                if mode is None:
+                    torch._C._unset_dispatch_mode(key)
+                else:
+                    torch._C._set_dispatch_mode(mode)
+                fixed.append(f"{key.name.lower()} mode")
+        while torch._C._len_torch_dispatch_stack() > self.dispatch:
+            fixed.append(f"dispatch mode {type(torch._C._pop_torch_dispatch_stack(None)).__name__}")
+        while torch._C._len_torch_function_stack() > self.function:
+            fixed.append(f"function mode {type(torch._C._pop_torch_function_stack()).__name__}")
+        if torch.is_grad_enabled() != self.grad:
+            torch.set_grad_enabled(self.grad)
+            fixed.append("grad mode")
+        for saved, current, setter, what in (
+            (
+                self.include,
+                torch._C._dispatch_tls_local_include_set,
+                torch._C._dispatch_tls_set_dispatch_key_included,
+                "included",
+            ),
+            (
+                self.exclude,
+                torch._C._dispatch_tls_local_exclude_set,
+                torch._C._dispatch_tls_set_dispatch_key_excluded,
+                "excluded",
+            ),
+        ):
+            if current().raw_repr() == saved:
+                continue
+            keys = torch.DispatchKeySet.from_raw_repr(saved)
+            for key in torch._C.DispatchKey.__members__.values():
+                try:
+                    if keys.has(key) != current().has(key):
+                        setter(key, keys.has(key))
+                        fixed.append(f"dispatch key {key.name} {what}")
+                except Exception:  # noqa: BLE001 - alias keys cannot be asked or set one by one
+                    continue
+        if eval_frame.get_eval_frame_callback() is not self.callback:
+            eval_frame.set_eval_frame(self.callback)
+            fixed.append("dynamo frame callback")
+        if torch._guards.TracingContext.try_get() is not self.context:
+            torch._guards._TLS.tracing_context = self.context
+            fixed.append("tracing context")
+        return fixed
+
+
 def _clear_pending(tid: int) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
 
@@ -136,7 +247,7 @@ def run_within(budget: TraceBudget | None, work: Callable[[], T]) -> T:
     if left <= 0:
         raise TraceBudgetExceeded(budget.seconds, "the start of a trace: the budget was spent before it")
     tid = threading.get_ident()
-    watchdog = _Watchdog(tid, left)
+    watchdog, state = _Watchdog(tid, left), _TorchState.capture()
     try:
         try:
             watchdog.timer.start()
@@ -145,6 +256,12 @@ def run_within(budget: TraceBudget | None, work: Callable[[], T]) -> T:
             if watchdog.cancel():  # fired: its interrupt may not have been raised yet
                 _clear_pending(tid)
     except watchdog.interrupt as interrupt:
+        try:
+            fixed = state.restore() if state is not None else []
+        except Exception as exc:  # noqa: BLE001 - the fixed-size trace may still work
+            fixed = [f"not restored: {exc}"]
+        if fixed:
+            _log.debug("the trace cut short by its budget left torch state changed; restored: %s", fixed)
         frames = watchdog.frames or traceback.extract_tb(interrupt.__traceback__)
         where = (
             user_line(frames)
