@@ -9,6 +9,9 @@ encoder layers with F.scaled_dot_product_attention, a linear CTC head, F.ctc_los
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from tests.dist_util import spawn
 from tests.models_ctc import VOCAB, bad_batch
@@ -18,6 +21,29 @@ MODEL = "tests.models_ctc:build_speech_ctc"
 LINEAR_FRONTEND = "tests.models_ctc:build_speech_ctc_linear"
 """Context parallelism splits the sequence from the input on: a convolution over time keeps it whole
 (graph/ops/conv.py: spatial dims are never split), so the cp cases use a per-frame linear frontend."""
+
+
+class CheckedMLP(nn.Module):
+    """A check on an activation the plan splits (tp: the hidden features)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x, y):
+        h = F.gelu(self.fc1(x))
+        assert torch.isfinite(h).all(), "hidden activations are not finite"
+        return F.mse_loss(self.fc2(h), y)
+
+
+def build_checked_mlp(seed: int = 0):
+    torch.manual_seed(seed)
+
+    def make_batch(seed: int, batch_size: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return {"x": torch.randn(batch_size, 16, generator=g), "y": torch.randn(batch_size, 8, generator=g)}
+
+    return CheckedMLP().train(), make_batch
 
 
 def _cp(kind: str) -> ParityCase:
@@ -36,6 +62,7 @@ def test_ctc_with_label_check_is_exact_under_every_policy(tmp_path):
         _cp("zigzag"),
         _cp("ulysses"),
         ParityCase(MODEL, "data", 2, optimizer="sgd"),  # the batch split through the CTC loss
+        ParityCase(f"{__name__}:build_checked_mlp", "tp", 2, optimizer="sgd"),
     ]
     results = run_parity_many(cases, 2, tmp_path=tmp_path, timeout=600)
     tp = results[1]
@@ -48,6 +75,10 @@ def test_ctc_with_label_check_is_exact_under_every_policy(tmp_path):
             assert check and "comm." not in before.split("def forward", 1)[1], (case, rank)
     stage0 = next((tmp_path / "gen" / "case2").rglob("gencode0.py")).read_text()
     assert "nnscaler.runtime.checks.raise_if(" in stage0  # pp: the first stage, which reads the labels
+    # a check on a split activation checks each rank's elements: nothing gathered, Megatron's pattern kept
+    mlp = next((tmp_path / "gen" / "case7").rglob("gencode0.py")).read_text()
+    assert "raise_unless(isfinite, AssertionError" in mlp and "gather" not in mlp, mlp
+    assert all(r["local_param_fraction"] <= 0.6 for r in results[7])
 
 
 def _train_with_a_bad_label(

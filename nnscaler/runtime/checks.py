@@ -49,12 +49,14 @@ def _fail(exc: str | type[BaseException], message: str, where: str) -> None:
 
 
 def raise_if(cond: torch.Tensor, exc: str | type[BaseException], message: str, where: str) -> None:
-    """Raise `exc(message)` when `cond` is true (`if cond: raise exc(message)` at `where`)."""
-    if bool(cond):
+    """Raise `exc(message)` when `cond` is true (`if cond: raise exc(message)` at `where`); a condition
+    checked element by element (this rank's part of it) when any element is."""
+    if bool(cond.any()):
         _fail(exc, message, where)
 
 
 def raise_unless(cond: torch.Tensor, exc: str | type[BaseException], message: str, where: str) -> None:
-    """Raise `exc(message)` when `cond` is false (`assert cond, message` at `where`)."""
-    if not bool(cond):
+    """Raise `exc(message)` when `cond` is false (`assert cond, message` at `where`); element by
+    element: when any element is."""
+    if not bool(cond.all()):
         _fail(exc, message, where)

@@ -19,6 +19,9 @@ def _value_check(d: Draw) -> list[tuple]:
     return [
         (torch.tensor(False), True, "ValueError", "labels must be < 12", "m.py:3"),
         (torch.tensor(True), False, "AssertionError", "", "m.py:4"),
+        # element-wise (graph/capture/local_checks.py): split like the tensor it reads
+        (torch.zeros(d.n(), d.n(), dtype=torch.bool), True, "ValueError", "x", "m.py:5"),
+        (torch.ones(d.n(), d.n(), 2, dtype=torch.bool), False, "AssertionError", "y", "m.py:6"),
     ]
 
 

@@ -147,3 +147,49 @@ class Branch(nn.Module):
 def test_other_reads_of_values_still_fail_as_data_dependent(model):
     with pytest.raises(TraceError, match="data-dependent"):
         capture(model, {"x": torch.ones(3)}, auto_leaf_modules=False)
+
+
+class ActivationChecks(nn.Module):
+    """Checks on computed tensors: made element-wise (graph/capture/local_checks.py) where exact."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x, ids):
+        h = self.fc(x)
+        assert torch.isfinite(h).all(), "h is not finite"
+        if torch.logical_not((ids * 2).min() >= 0):
+            raise ValueError("doubled ids are negative")
+        if h.abs().max() > 1e6:  # a float max (NaN propagates): kept whole
+            raise ValueError("h too large")
+        return h.sum()
+
+
+def test_checks_on_computed_tensors_become_element_wise(tmp_path):
+    graph = capture(ActivationChecks(), _batch())
+    ops = [n.op for n in graph.nodes]
+    assert "aten.all.default" not in ops and "aten.logical_not.default" not in ops
+    assert ops.count("aten.min.default") == 0 and ops.count("aten.max.default") == 1
+    finite, doubled, large = _checks(graph)
+    assert graph.values[finite.args[0].name].meta.shape == (4, 6) and finite.args[1] is False
+    # not(min(2 ids) >= 0) raises  <=>  some element of 2 ids >= 0 is false
+    assert graph.values[doubled.args[0].name].meta.shape == (4,) and doubled.args[1] is False
+    assert graph.values[large.args[0].name].meta.shape == ()
+    torch.manual_seed(0)
+    model = ActivationChecks()
+    pm = nnscaler.parallelize(model, _batch(), "dp", ComputeConfig(1, 1), gen_savedir=tmp_path)
+    torch.testing.assert_close(pm(**_batch()), model(**_batch()))
+    with pytest.raises(AssertionError, match="^h is not finite"):
+        pm(**_batch(x=torch.full((4, 4), float("nan"))))
+    with pytest.raises(ValueError, match="^doubled ids are negative"):
+        pm(**_batch((1, 2, -3, 4)))
+    with pytest.raises(ValueError, match="^h too large"):
+        pm(**_batch(x=torch.full((4, 4), 1e9)))
+
+
+def test_checks_on_the_forwards_inputs_stay_whole():
+    graph = capture(Checked(), _batch())
+    first = _checks(graph)[0]  # ids.max() >= limit: ids are whole on every rank
+    assert graph.values[first.args[0].name].meta.shape == ()
+    assert "aten.max.default" in [n.op for n in graph.nodes]

@@ -19,6 +19,7 @@ from nnscaler.graph.capture.ctc_loss import ctc_loss_shapes
 from nnscaler.graph.capture.export import check_forward_args, export_module, untraced_defaults
 from nnscaler.graph.capture.functionalize import functionalize
 from nnscaler.graph.capture.leaf_modules import capture_with_leaves, mark_leaf_nodes
+from nnscaler.graph.capture.local_checks import localize_value_checks
 from nnscaler.graph.capture.modes import trace_both_modes
 from nnscaler.graph.capture.moe import experts_as_op
 from nnscaler.graph.capture.side_effects import watch_side_effects
@@ -112,6 +113,7 @@ def _capture(
         ep, leaves = capture_with_leaves(module, kwargs, export, trace, leaf_modules, auto_leaf_modules)
     graph = mark_leaf_nodes(name_autograd_functions(convert_exported(ep, module, forward_args)), leaves)
     graph = fuse_attention(graph)  # attention written by hand becomes one SDPA node (attention_fuse.py)
+    graph = localize_value_checks(graph)  # checks on computed tensors: element-wise (local_checks.py)
     return dataclasses.replace(
         graph, untraced_args=untraced_defaults(module, forward_args), static_shapes=static_shapes
     )

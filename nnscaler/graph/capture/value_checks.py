@@ -11,7 +11,8 @@ statement reading the value is a check that only raises:
 It records the op `nnscaler_check::value_check(cond, raise_when, exc, message, where)` on the traced
 condition (the generated code calls `nnscaler.runtime.checks.raise_if` / `raise_unless`, which raise
 the model's exception type and message on the rank that sees the bad value) and answers with the
-value that does not raise, so tracing goes on. `x.max().item() >= n` in such a condition traces as
+value that does not raise, so tracing goes on. After capture, a check on a computed tensor is made
+element-wise (graph/capture/local_checks.py), so no plan gathers a tensor only to check it. `x.max().item() >= n` in such a condition traces as
 the tensor comparison (`.item()` answers the 0-d tensor itself there).
 
 Conditions joined by `or` in an `if` (`and` in an `assert`), and negated with `not`, are checked one
@@ -77,7 +78,7 @@ def _library() -> None:
     lib.define("value_check(Tensor cond, bool raise_when, str exc, str message, str where) -> Tensor")
 
     def kernel(cond: torch.Tensor, raise_when: bool, exc: str, message: str, where: str) -> torch.Tensor:
-        if bool(cond) == raise_when:
+        if bool(cond.any() if raise_when else not cond.all()):
             cls = getattr(builtins, exc, None)
             cls = cls if isinstance(cls, type) and issubclass(cls, BaseException) else RuntimeError
             raise cls(message)
