@@ -35,6 +35,7 @@ __all__ = [
     "flop_segments",
     "stage_shares",
     "stage_summary",
+    "stage_report_lines",
 ]
 
 TARGET = 1.3
@@ -230,3 +231,20 @@ def stage_summary(graph: Graph, starts: list[int]) -> str:
         + "/".join(f"{s.params_share:.0%}" for s in shares)
         + f", heaviest/lightest {ratio:.2f}"
     )
+
+
+def stage_report_lines(graph: Graph, plan) -> list[str]:
+    """A plan's pipeline stages as Markdown lines for a report: where each starts and its shares of the
+    FLOPs and weights ([] without a pipeline)."""
+    if getattr(plan, "pipeline", None) is None:
+        return []
+    first = set(plan.pipeline.starts)
+    starts = [i for i, n in enumerate(graph.nodes) if n.name in first]
+    shares = stage_shares(graph, starts)
+    lines = ["", "## Pipeline stages", "", "| stage | starts at | FLOPs | weights |", "|---|---|---|---|"]
+    for s, (i, share) in enumerate(zip(starts, shares)):
+        where = graph.nodes[i].module_path or "(model forward)"
+        lines.append(f"| {s} | {where} | {share.flops_share:.1%} | {share.params_share:.1%} |")
+    summary = stage_summary(graph, starts)
+    lines += ["", f"S{summary[1:]} (forward FLOPs; a weight two stages hold counts for both)."]
+    return lines

@@ -16,7 +16,7 @@ from nnscaler.graph.ir import cut_graph
 from nnscaler.policies import make_plan
 from nnscaler.policies.autodist.pipeline_dp import stage_dp
 from nnscaler.policies.op_cost import graph_costs
-from nnscaler.policies.stage_balance import balanced_stages, stage_shares
+from nnscaler.policies.stage_balance import balanced_stages, stage_report_lines, stage_shares
 from nnscaler.policies.stage_dp import stage_dp_py
 from nnscaler.policies.staging import candidate_levels
 from tests import zoo
@@ -168,3 +168,12 @@ def test_native_and_python_agree_with_boundaries_and_needs():
         m, limit = rng.randint(1, 8), rng.choice([math.inf, rng.uniform(0.5, 8.0)])
         args = (times, acts, params, stages, m, limit, cross, need)
         assert stage_dp(*args) == stage_dp_py(*args)
+
+
+def test_report_lines_name_every_stage(graphs):
+    graph = graphs["unequal"]
+    plan = make_plan(graph, "pp", _cfg(4))
+    lines = stage_report_lines(graph, plan)
+    rows = [line for line in lines if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 4 and rows[0].startswith("| 0 | embed |"), lines
+    assert stage_report_lines(graph, make_plan(graph, "dp", ComputeConfig(1, 1))) == []

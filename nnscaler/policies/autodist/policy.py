@@ -3,6 +3,7 @@ for the cluster in pas_config['cluster'], honouring the constraints in pas_confi
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 from nnscaler.config import ComputeConfig
@@ -26,6 +27,8 @@ from nnscaler.policies.staging import parse_pivots
 from nnscaler.runtime.grads.buckets import DEFAULT_BUCKET_CAP_MB
 
 __all__ = ["pas_autodist", "planner_setup", "plan_from_candidate", "default_cluster"]
+
+_log = logging.getLogger(__name__)
 
 
 def default_cluster() -> ClusterSpec:
@@ -164,6 +167,8 @@ def _tp_plan(graph: Graph, cand: Candidate, setup: PlannerSetup, scheduler: str)
         f"{cand.step_time * 1e3:.3f} ms per step, {cand.memory / 1e9:.3f} GB on the fullest device"
     )
     notes = (note, f"pipeline {stage_summary(graph, cand.starts)}") if cand.pp > 1 else (note,)
+    if cand.pp > 1:
+        _log.info("autodist: %s", notes[1])
     return Plan("autodist", setup.plan_ngpus, nodes, notes, tuple(cand.recompute_paths), pipeline, mesh)
 
 
