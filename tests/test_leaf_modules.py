@@ -242,24 +242,36 @@ def test_structure_copy_holds_no_weights():
     assert copied.proj.weight.shape == model.pool.proj.weight.shape and not model.pool.proj.weight.is_meta
 
 
-# ---- Qwen2-VL: the vision tower opaque, the text model split --------------------------------------
+# ---- Qwen2-VL, unmodified: two of its methods opaque, the text model split ---------------------------
+
+_QWEN_LEAVES = ("model.get_image_features()", "model.get_rope_index()")
 
 
 @pytest.mark.slow
-def test_qwen2_vl_vision_tower_is_found_and_compiles(tmp_path):
+def test_qwen2_vl_data_dependent_methods_are_found_and_compile(tmp_path):
+    """Not the whole Qwen2VLModel (whose methods hold the `.tolist()`s): only the two methods run whole."""
     from tests.zoo_vl import build_qwen2_vl
 
     model, make_batch = build_qwen2_vl(seed=0)
     reference = copy.deepcopy(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg = ComputeConfig(1, 1, constant_folding=True)  # the leaf module's sizes are written as numbers
+        cfg = ComputeConfig(1, 1, constant_folding=True)  # the leaves' sizes are written as numbers
         pm = nnscaler.parallelize(model, make_batch(0, 2), "dp", cfg, gen_savedir=tmp_path)
-    leaves = [str(w.message) for w in caught if issubclass(w.category, LeafModuleWarning)]
-    assert len(leaves) == 1 and leaves[0].startswith(
-        "model.visual (Qwen2VisionTransformerPretrainedModel) runs as one opaque op: forward has data-dependent"
+    leaves = sorted(str(w.message) for w in caught if issubclass(w.category, LeafModuleWarning))
+    assert len(leaves) == 2, "\n".join(m[:200] for m in leaves)
+    assert leaves[0].startswith(
+        "model.get_image_features() (Qwen2VLModel.get_image_features) runs as one opaque op: "
+        "get_image_features() has data-dependent control flow at modeling_qwen2_vl.py:"
     ), leaves
-    assert type(pm).leaf_modules == ("model.visual",)
+    assert "the 19 parameters (8688 elements) it uses" in leaves[0]  # the vision tower's, no others
+    assert leaves[1].startswith(
+        "model.get_rope_index() (Qwen2VLModel.get_rope_index) runs as one opaque op: get_rope_index() has "
+    ), leaves
+    assert type(pm).leaf_modules == _QWEN_LEAVES
+    used = set(type(pm).leaf_state["model.get_image_features()"])  # by name in Qwen2VLModel
+    assert {n.removeprefix("model.") for n, _ in model.named_parameters() if ".visual." in n} <= used
+    assert all(n.startswith("visual.") for n in used), used
     batch = make_batch(5, 2)
     out = pm(**batch)
     out.loss.backward()
@@ -273,23 +285,21 @@ def test_qwen2_vl_vision_tower_is_found_and_compiles(tmp_path):
 
 @pytest.mark.slow
 def test_qwen2_vl_trains_like_one_device_under_every_policy(tmp_path):
-    """The vision tower named by path (tp) and by class (dp): it runs whole on every rank; the text
-    model's weights are split under tp. SGD, so a wrong gradient scale shows."""
+    """Unmodified Qwen2-VL: under tp its text model's weights split while the vision tower (inside the
+    opaque get_image_features) stays whole on every rank. Naming the tower as a leaf (by class, by path)
+    changes nothing. SGD, so a wrong gradient scale shows."""
     model = "tests.zoo_vl:build_qwen2_vl"
     by_path = {"pas_config": {"leaf_modules": ["model.visual"]}}
     by_class = {"pas_config": {"leaf_modules": "Qwen2VisionTransformerPretrainedModel"}}
     cases = [
         ParityCase(model, "dp", 1, config_kwargs=by_class, optimizer="sgd"),
-        ParityCase(model, "tp", 2, config_kwargs=by_path, optimizer="sgd"),
+        ParityCase(model, "tp", 2, optimizer="sgd"),
         ParityCase(model, "autodist", 2, config_kwargs=by_path, optimizer="sgd"),
         ParityCase(
             model,
             "pp",
             2,
-            config_kwargs={
-                "use_end2end": True,
-                "pas_config": {"leaf_modules": ["model.visual"], "pipeline_nmicros": 2},
-            },
+            config_kwargs={"use_end2end": True, "pas_config": {"pipeline_nmicros": 2}},
             nmicros=2,
             optimizer="sgd",
         ),
@@ -298,5 +308,7 @@ def test_qwen2_vl_trains_like_one_device_under_every_policy(tmp_path):
     tower = "model.visual.blocks.0.attn.qkv.weight"
     for r in dp:  # the tower's gradients are averaged over the replicas like any other weight's
         assert tower in r["reduced"] and tower in r["optimizer_names"], r["rank"]
-    assert all(r["local_param_fraction"] < 0.9 for r in tp), [r["local_param_fraction"] for r in tp]
+    fractions = [round(r["local_param_fraction"], 3) for r in tp]
+    print(f"qwen2-vl under tp 2: parameters per rank {fractions}")
+    assert all(f < 0.7 for f in fractions), fractions  # the whole model opaque kept 0.95
     assert all(tower in r["optimizer_names"] for r in tp)  # whole on each rank of the plan

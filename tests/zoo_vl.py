@@ -1,19 +1,19 @@
-"""A tiny Qwen2-VL for tests: a vision tower whose code reads input values (opaque leaf module).
+"""A tiny Qwen2-VL for tests, unmodified: its data-dependent methods run as opaque ops, the rest splits.
 
     model, make_batch = build_qwen2_vl(seed=0)      # "tests.zoo_vl:build_qwen2_vl" for the harness
     loss = model(**make_batch(seed=1, batch_size=2)).loss
 
 Each sequence holds one image of `_GRID` patches (t, h, w), merged 2x2 into `_IMAGE_TOKENS` image
-tokens between vision start / end tokens. Qwen2-VL's vision tower (`model.visual`) computes its
-rotary positions and attention windows from `image_grid_thw.tolist()`, which torch.export cannot
-trace: it runs as one opaque op. The 3-D (multimodal RoPE) positions are computed when the batch is
-made, as a data pipeline would (`get_rope_index` loops over token types in Python), and passed batch
-first: the parity harness concatenates batches on dim 0, Qwen2-VL takes them as (3, batch, seq).
+tokens between vision start / end tokens. The model is transformers' own, called as a user would
+(`mm_token_type_ids` from the processor, no precomputed positions). Two of Qwen2VLModel's methods read
+input values, which torch.export cannot trace: `get_image_features` (the vision tower, whose rotary
+positions and attention windows come from `image_grid_thw.tolist()`, then the features split per image
+by sizes read from `image_grid_thw`) and `get_rope_index` (3-D positions from loops over
+`.tolist()`). Each runs as one opaque op; the text model around them is captured and split.
 """
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -67,39 +67,13 @@ def _config() -> Any:
     return config
 
 
-def _model_class() -> type:
-    from transformers import Qwen2VLForConditionalGeneration
-
-    class Qwen2VLBatchFirst(Qwen2VLForConditionalGeneration):
-        """Qwen2-VL taking its 3-D positions batch first, (batch, 3, seq)."""
-
-        def forward(self, input_ids, pixel_values, image_grid_thw, position_ids, labels):  # noqa: D102
-            return super().forward(
-                input_ids=input_ids,
-                pixel_values=pixel_values,
-                image_grid_thw=image_grid_thw,
-                position_ids=position_ids.transpose(0, 1),
-                labels=labels,
-            )
-
-    return Qwen2VLBatchFirst
-
-
-def _image_features(self, pixel_values, image_grid_thw=None, return_dict=True, **kwargs):
-    """Qwen2VLModel.get_image_features without splitting the features per image: forward concatenates
-    the pieces again at once, and the split (by `image_grid_thw.tolist()`) would read input values in
-    Qwen2VLModel's own code, outside the vision tower, which would then make all of it opaque."""
-    out = self.visual(pixel_values.type(self.visual.dtype), grid_thw=image_grid_thw, **kwargs)
-    out.pooler_output = (out.pooler_output,)
-    return out
-
-
 def build_qwen2_vl(seed: int = 0) -> tuple[torch.nn.Module, Any]:
     """A 2-layer Qwen2-VL (hidden 32) with a 1-block vision tower; batches of one image per sequence."""
+    from transformers import Qwen2VLForConditionalGeneration
+
     torch.manual_seed(seed)
-    model = _model_class()(_config())
+    model = Qwen2VLForConditionalGeneration(_config())
     model.loss_type = "ForCausalLM"
-    model.model.get_image_features = types.MethodType(_image_features, model.model)
     model = model.float().train()
 
     def make_batch(seed: int, batch_size: int) -> dict[str, Any]:
@@ -108,16 +82,13 @@ def build_qwen2_vl(seed: int = 0) -> tuple[torch.nn.Module, Any]:
         ids[:, 1] = _VISION_START
         ids[:, 2 : 2 + _IMAGE_TOKENS] = IMAGE_TOKEN_ID
         ids[:, 2 + _IMAGE_TOKENS] = _VISION_END
-        grid = torch.tensor([_GRID] * batch_size)
-        pixels = torch.randn(batch_size * _GRID[0] * _GRID[1] * _GRID[2], _PATCH_DIM, generator=g)
-        with torch.no_grad():
-            mm = (ids == IMAGE_TOKEN_ID).int()
-            positions, _ = model.model.get_rope_index(ids, mm_token_type_ids=mm, image_grid_thw=grid)
         return {
             "input_ids": ids,
-            "pixel_values": pixels,
-            "image_grid_thw": grid,
-            "position_ids": positions.transpose(0, 1).contiguous(),
+            "pixel_values": torch.randn(batch_size * _GRID[0] * _GRID[1] * _GRID[2], _PATCH_DIM, generator=g),
+            "image_grid_thw": torch.tensor([_GRID] * batch_size),
+            "mm_token_type_ids": (
+                ids == IMAGE_TOKEN_ID
+            ).int(),  # as the processor gives it: 1 for image tokens
             "labels": ids.clone(),
         }
 

@@ -43,6 +43,8 @@ from nnscaler.graph.capture.leaf_op import (
     split_key,
 )
 from nnscaler.graph.capture.leaf_regions import (
+    SIZE_READS,
+    failure_chain,
     owner_of,
     record_methods,
     stack_regions,
@@ -158,7 +160,7 @@ def _value_read(
     """Where a real run first reads tensor values outside the chosen leaves: (regions, source line)."""
     if _is_meta(root, kwargs):
         return None
-    skip = lambda regions: any(r in chosen or any(_inside(r, q) for q in chosen) for r in regions)  # noqa: E731
+    skip = lambda regions, _: any(r in chosen or any(_inside(r, q) for q in chosen) for r in regions)  # noqa: E731
     return value_read_regions(root, lambda: _real_run(root, kwargs), skip)
 
 
@@ -269,6 +271,7 @@ def capture_with_leaves(
         session.leaves = {p: owner_of(root, p) for p in paths}
         if paths:  # one real run serves every module leaf found later (a new leaf method: one more)
             _ensure_records(root, kwargs, session, paths)
+        session.called, session.fixed = set(), set()  # what this attempt's trace does
         held, retry = io.StringIO(), False  # torch prints the partial graph of a failed export to stderr
         try:
             failure: TraceError | None = None
@@ -293,28 +296,70 @@ def capture_with_leaves(
                     continue
                 if not auto or not is_data_dependent(exc):
                     raise
-                found, failure = (stack_regions(exc, root), _user_line(_causes(exc)[-1])), exc
+                found, failure = (stack_regions(exc, root), _user_line(failure_chain(exc)[-1])), exc
             else:
                 used = {p: chosen[p] for p in paths if p in session.called}
                 _warn(root, session, used)
                 return result, used
-            around = [p for p in found[0] if p not in chosen and not any(_inside(p, q) for q in chosen)]
-            if around:  # which of them take and return tensors: a real run says
-                _ensure_records(root, kwargs, session, around)
-            candidates = [p for p in around if _suitable(p, session.records)]
-            if not candidates and failure is not None:
-                raise failure
-            if not candidates:
+            if not _choose(root, kwargs, session, chosen, fallbacks, *found):
+                if failure is not None:
+                    raise failure
                 raise TraceError(
                     _reads_values_message(found[1], "no function around it can run as an opaque op")
                 )
-            chosen[candidates[0]] = _why(candidates[0], f"has data-dependent control flow at {found[1]}")
-            fallbacks[candidates[0]] = candidates[1:]
+            _choose_size_reads(root, kwargs, session, chosen, fallbacks)
             retry = True
         finally:
             if not retry:  # what this attempt printed is the user's to see; a retried one's is not
                 sys.stderr.write(held.getvalue())
     raise TraceError(f"capture gave up after making {len(chosen)} regions opaque: {sorted(chosen)}")
+
+
+def _choose(
+    root: torch.nn.Module,
+    kwargs: dict[str, Any],
+    session: LeafSession,
+    chosen: dict[str, str],
+    fallbacks: dict[str, list[str]],
+    regions: list[str],
+    where: str,
+) -> bool:
+    """Make the innermost of `regions` (innermost first) that can run as an opaque op a leaf, the
+    others its fallbacks; False when none can."""
+    around = [p for p in regions if p not in chosen and not any(_inside(p, q) for q in chosen)]
+    if around:  # which of them take and return tensors: a real run says
+        _ensure_records(root, kwargs, session, around)
+    candidates = [p for p in around if _suitable(p, session.records)]
+    if not candidates:
+        return False
+    chosen[candidates[0]] = _why(candidates[0], f"has data-dependent control flow at {where}")
+    fallbacks[candidates[0]] = candidates[1:]
+    return True
+
+
+def _choose_size_reads(
+    root: torch.nn.Module,
+    kwargs: dict[str, Any],
+    session: LeafSession,
+    chosen: dict[str, str],
+    fallbacks: dict[str, list[str]],
+) -> None:
+    """Before tracing again: every other read of sizes from tensor values (`.tolist()`, `int(t)`) that a
+    real run meets outside the leaves would fail the trace (or leave it reading values) too, so its
+    region becomes a leaf now, one real run each instead of one failed export each."""
+    if _is_meta(root, kwargs):
+        return
+    unplaced: set[str] = set()  # reads with no region around them: the trace decides
+
+    def skip(regions: list[str], where: str) -> bool:
+        return where in unplaced or any(r in chosen or any(_inside(r, q) for q in chosen) for r in regions)
+
+    for _ in range(_MAX_RETRIES):
+        read = value_read_regions(root, lambda: _real_run(root, kwargs), skip, SIZE_READS)
+        if read is None:
+            return
+        if not _choose(root, kwargs, session, chosen, fallbacks, *read):
+            unplaced.add(read[1])
 
 
 def _why(key: str, why: str) -> str:

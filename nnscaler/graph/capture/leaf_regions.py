@@ -35,20 +35,19 @@ from nnscaler.graph.capture.leaf_op import (
     state_of,
 )
 
-__all__ = ["stack_regions", "trace_regions", "value_read_regions", "record_methods", "method_of", "owner_of"]
+__all__ = [
+    "VALUE_READS",
+    "SIZE_READS",
+    "stack_regions",
+    "trace_regions",
+    "value_read_regions",
+    "failure_chain",
+    "record_methods",
+    "method_of",
+    "owner_of",
+]
 
 _SKIP = ("/torch/", "/nnscaler/")
-
-
-def _defined_by(fn: Any, code: CodeType) -> bool:
-    """Whether `fn` (through its decorators' `__wrapped__` chain) is the function compiled to `code`."""
-    seen = 0
-    while fn is not None and seen < 16:
-        fn = getattr(fn, "__func__", fn)
-        if getattr(fn, "__code__", None) is code:
-            return True
-        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
-    return False
 
 
 def method_of(module: torch.nn.Module, code: CodeType) -> str | None:
@@ -63,7 +62,7 @@ def method_of(module: torch.nn.Module, code: CodeType) -> str | None:
             fn = next((vars(k)[attr] for k in type(module).__mro__ if attr in vars(k)), None)
         if isinstance(fn, (staticmethod, classmethod)):
             continue
-        if callable(fn) and _defined_by(fn, code):
+        if callable(fn) and _innermost_code(fn) is code:  # not a decorator's wrapper (shared by many)
             return attr
     return None
 
@@ -79,11 +78,7 @@ def _region(path: str, module: torch.nn.Module, code: CodeType) -> str | None:
 
 def _frames(exc: BaseException) -> list[FrameType]:
     """The frames of `exc` and of the exceptions it came from, outermost first."""
-    chain: list[BaseException] = []
-    while exc is not None and exc not in chain:
-        chain.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return [frame for cause in chain for frame, _ in traceback.walk_tb(cause.__traceback__)]
+    return [frame for cause in failure_chain(exc) for frame, _ in traceback.walk_tb(cause.__traceback__)]
 
 
 def stack_regions(exc: BaseException, root: torch.nn.Module) -> list[str]:
@@ -136,9 +131,13 @@ def _innermost_code(fn: Any) -> CodeType | None:
     return code
 
 
-_READS = frozenset(
+VALUE_READS = frozenset(
     {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero", "masked_select", "unique"}
 )
+"""Tensor methods and functions that read values (torch.export makes them unbacked symbols)."""
+SIZE_READS = frozenset({"tolist", "__int__", "__index__", "nonzero", "masked_select", "unique"})
+"""The reads that give sizes and loop counts, not truth values (`if x.max() >= n: raise` may be a value
+check that traces, graph/capture/value_checks.py)."""
 
 
 class _ValueRead(Exception):
@@ -146,15 +145,16 @@ class _ValueRead(Exception):
 
 
 class _WatchReads(TorchFunctionMode):
-    def __init__(self, root: torch.nn.Module, skip: Callable[[list[str]], bool]):
+    def __init__(self, root: torch.nn.Module, reads: frozenset[str], skip: Callable[[list[str], str], bool]):
         super().__init__()
-        self.root, self.skip = root, skip
+        self.root, self.reads, self.skip = root, reads, skip
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
-        if getattr(func, "__name__", "") in _READS:
+        if getattr(func, "__name__", "") in self.reads:
             frames = _caller_frames()
-            if not self.skip(_regions_of(frames, self.root)):
-                raise _ValueRead(_user_line(frames))
+            where = _user_line(frames)
+            if not self.skip(_regions_of(frames, self.root), where):
+                raise _ValueRead(where)
         return func(*args, **(kwargs or {}))
 
 
@@ -175,27 +175,52 @@ def _user_line(frames: list[FrameType]) -> str:
 
 
 def value_read_regions(
-    root: torch.nn.Module, run: Callable[[], Any], skip: Callable[[list[str]], bool]
+    root: torch.nn.Module,
+    run: Callable[[], Any],
+    skip: Callable[[list[str], str], bool],
+    reads: frozenset[str] = VALUE_READS,
 ) -> tuple[list[str], str] | None:
-    """`run()` (a real forward) stopped at the first read of a tensor's values (`.tolist()`, `.item()`,
-    `nonzero`...) whose regions (innermost first) `skip` does not accept: those regions and the source
-    line. None when it reads none (or fails otherwise)."""
+    """`run()` (a real forward) stopped at the first read of a tensor's values (`reads`: `.tolist()`,
+    `.item()`, ...) that `skip(regions innermost first, source line)` does not accept: those regions
+    and the line. None when it reads none (or fails otherwise)."""
     stack: list[list[str]] = []
 
-    def keep(regions: list[str]) -> bool:
-        if skip(regions):
+    def keep(regions: list[str], where: str) -> bool:
+        if skip(regions, where):
             return True
         stack.append(regions)
         return False
 
     try:
-        with _WatchReads(root, keep):
+        with _WatchReads(root, reads, keep):
             run()
     except _ValueRead as exc:
         return (stack[-1], str(exc)) if stack else None
     except Exception:  # noqa: BLE001 - the model fails eagerly: nothing to say here
         return None
     return None
+
+
+def failure_chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it came from, down to torch's own data-dependent failure (older ones it
+    was raised while handling, e.g. an earlier trace's, say nothing about this one)."""
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    by_type = [i for i, e in enumerate(chain) if type(e).__name__ in _DATA_DEPENDENT]
+    by_text = [i for i, e in enumerate(chain) if any(key in str(e) for key in _DATA_DEPENDENT)]
+    last = (by_type or by_text or [len(chain) - 1])[-1]
+    return chain[: last + 1]
+
+
+_DATA_DEPENDENT = (
+    "GuardOnDataDependentSymNode",
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "data-dependent",
+    "data dependent",
+)
 
 
 def _regions_of(frames: list[FrameType], root: torch.nn.Module) -> list[str]:
