@@ -169,3 +169,95 @@ def build_hf_bloom(seed: int = 0):
         return {"input_ids": ids, "labels": ids.clone()}
 
     return model, make_batch
+
+
+def _hf_eager(config_name: str, model_name: str, **sizes):
+    import transformers
+
+    config = getattr(transformers, config_name)(
+        vocab_size=VOCAB, use_cache=False, tie_word_embeddings=False, **sizes
+    )
+    config._attn_implementation = "eager"
+
+    def build(seed: int = 0):
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_name)(config).train()
+
+        def make_batch(seed: int, batch_size: int) -> dict:
+            g = torch.Generator().manual_seed(seed)
+            ids = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
+            return {"input_ids": ids, "labels": ids.clone()}
+
+        return model, make_batch
+
+    return build
+
+
+build_hf_gpt2_eager = _hf_eager(
+    "GPT2Config",
+    "GPT2LMHeadModel",
+    n_embd=WIDTH,
+    n_layer=LAYERS,
+    n_head=HEADS,
+    attn_pdrop=0.0,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    n_positions=4 * SEQ,
+)
+"""GPT-2 from transformers with eager attention (matmul, division, causal `where`, softmax, matmul)."""
+
+build_hf_llama_eager = _hf_eager(
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    hidden_size=WIDTH,
+    intermediate_size=2 * WIDTH,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=HEADS,
+    num_key_value_heads=2,
+)
+"""Llama from transformers with eager attention (grouped-query heads repeated, an additive causal mask)."""
+
+
+class SharedBiasAttention(nn.Module):
+    """matmul attention plus a learned bias read whole by a split: `shared` (s, s), the same for every
+    head (whole under tp), or `per_key` (heads, 1, s), one row for every query (whole under cp)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH, bias=False)
+        self.o = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.shared = nn.Parameter(torch.randn(SEQ, SEQ) * 0.1)
+        self.per_key = nn.Parameter(torch.randn(HEADS, 1, SEQ) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, WIDTH // HEADS).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(WIDTH // HEADS)
+        scores = scores + (self.shared[:s, :s] if self.kind == "shared" else self.per_key[..., :s])
+        return self.o(torch.matmul(scores.softmax(-1), v).transpose(1, 2).reshape(b, s, WIDTH))
+
+
+class _BiasDecoder(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.embed, self.attn, self.head = (
+            nn.Embedding(VOCAB, WIDTH),
+            SharedBiasAttention(kind),
+            nn.Linear(WIDTH, VOCAB),
+        )
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        x = x + self.attn(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def build_shared_bias(seed: int = 0):
+    torch.manual_seed(seed)
+    return _BiasDecoder("shared").train(), _tokens
+
+
+def build_per_key_bias(seed: int = 0):
+    torch.manual_seed(seed)
+    return _BiasDecoder("per_key").train(), _tokens

@@ -68,7 +68,9 @@ def _sequence_length(graph: Graph) -> int:
     if not nodes:
         raise PlanError(
             "pas_config['cp_size'] > 1 but the model has no self-attention (scaled_dot_product_attention with "
-            "queries and keys of one sequence) to split by sequence; drop cp_size"
+            "queries and keys of one sequence, or attention written as scores = q @ k^T (matmul, bmm, baddbmm or "
+            "einsum), scale, bias or mask, softmax(-1), @ v, which capture turns into it) to split by sequence; "
+            "drop cp_size"
         )
     lengths = {annotate_node(n, graph).sizes["s"] for n in nodes}
     if len(lengths) > 1:

@@ -32,6 +32,8 @@ _PURE = (
     "aten.unsqueeze.default",
     "aten.clone.default",
     "aten.contiguous.default",
+    "aten.empty.memory_format",
+    "aten.zeros.default",
 )
 """Ops the rewrite may leave unread and then drops (no side effects)."""
 
