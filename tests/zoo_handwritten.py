@@ -5,7 +5,8 @@
 written as `torch.einsum("bsd,fd->bsf", x, w)` plus a bias, a GeLU written as a custom
 `torch.autograd.Function` (`TanhGelu`, module level so generated code can import it, with its own
 hand-written backward), and a down projection `torch.einsum("bsf,df->bsd", h, w)`; then a norm and a
-linear head with cross entropy. Tiny (about 3.7 thousand parameters), fp32, train mode;
+linear head with cross entropy. `build_einsum_heads`: the same with projections by heads written as
+einsum ("bsd,hde->bhse", then "bhse,hed->bsd"). Tiny (a few thousand parameters), fp32, train mode;
 `make_batch(seed, batch_size)` gives token ids and labels of length SEQ.
 """
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TanhGelu", "RmsNorm", "build_einsum_gelu", "SEQ"]
+__all__ = ["TanhGelu", "RmsNorm", "build_einsum_gelu", "build_einsum_heads", "SEQ"]
 
 SEQ = 8
 VOCAB = 16
@@ -89,6 +90,33 @@ class EinsumGeluNet(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+class HeadsMlp(nn.Module):
+    """Projections by heads written with einsum: "bsd,hde->bhse" in, "bhse,hed->bsd" out."""
+
+    def __init__(self, width: int, heads: int, head_dim: int):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(heads, width, head_dim) / width**0.5)
+        self.w_out = nn.Parameter(torch.randn(heads, head_dim, width) / (heads * head_dim) ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = TanhGelu.apply(torch.einsum("bsd,hde->bhse", x, self.w_in))
+        return x + torch.einsum("bhse,hed->bsd", h, self.w_out)
+
+
+class EinsumHeadsNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(HeadsMlp(WIDTH, 4, 8) for _ in range(LAYERS))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
 def _tokens(seed: int, batch_size: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=g)
@@ -98,3 +126,8 @@ def _tokens(seed: int, batch_size: int) -> dict:
 def build_einsum_gelu(seed: int = 0):
     torch.manual_seed(seed)
     return EinsumGeluNet().train(), _tokens
+
+
+def build_einsum_heads(seed: int = 0):
+    torch.manual_seed(seed)
+    return EinsumHeadsNet().train(), _tokens
