@@ -40,9 +40,10 @@ def _forward_lines(cls: type) -> range:
     return range(first, first + len(lines))
 
 
-def test_slow_symbolic_trace_falls_back_to_fixed_sizes_within_budget(tmp_path):
+@pytest.mark.parametrize("constant_folding", [False, True])
+def test_slow_symbolic_trace_falls_back_to_fixed_sizes_within_budget(constant_folding, tmp_path):
     model, make_batch = build_nested()
-    cfg = ComputeConfig(2, 2, trace_time_budget_s=3)
+    cfg = ComputeConfig(2, 2, constant_folding=constant_folding, trace_time_budget_s=3)
     start = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
