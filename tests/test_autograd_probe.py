@@ -139,13 +139,30 @@ class SumOfList(torch.autograd.Function):
         return None
 
 
-class EightRows(torch.autograd.Function):
-    """Elementwise, but written for exactly 8 rows (the traced batch)."""
+WIDE = 1000
+
+
+class WideRows(torch.autograd.Function):
+    """Elementwise, but written for rows of exactly WIDE (a feature size it relies on)."""
 
     @staticmethod
     def forward(ctx, x):
-        if x.shape[0] != 8:
-            raise ValueError(f"8 rows expected, got {x.shape[0]}")
+        if x.shape[-1] != WIDE:
+            raise ValueError(f"rows of {WIDE} expected, got {x.shape[-1]}")
+        return x.cos()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class EightWideRows(torch.autograd.Function):
+    """Elementwise, but written for 8 rows of at least 100 (the traced batch)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        if x.shape[0] != 8 or x.shape[-1] < 100:
+            raise ValueError(f"8 rows of 100 or more expected, got {tuple(x.shape)}")
         return x.cos()
 
     @staticmethod
@@ -180,11 +197,9 @@ def test_several_inputs_broadcasts_and_literal_arguments():
 
 
 def test_large_inputs_are_probed_small_or_else_at_their_traced_sizes():
-    from nnscaler.graph.ops.probe import PROBE_NUMEL
-
-    wide = PROBE_NUMEL // 8 + 8  # 8 rows of it: over PROBE_NUMEL, so the rows shrink to 4 first
-    assert _probe(TanhGelu, (8, wide)) == "a b -> a b"
-    assert _probe(EightRows, (8, wide)) == "a^ b -> a^ b"  # raises on 4 rows: probed again on 8
+    assert _probe(TanhGelu, (8, WIDE)) == "a b -> a b"  # at (8, 8)
+    assert _probe(WideRows, (8, WIDE)) == "a b^ -> a b^"  # raises at (8, 8): probed at (4, WIDE)
+    assert _probe(EightWideRows, (8, WIDE)) == "a^ b -> a^ b"  # and at (4, WIDE): at (8, WIDE)
 
 
 def test_mixing_dims_are_not_split():

@@ -13,9 +13,9 @@ function cannot be probed (it raises on the probe's inputs, takes values the pro
 then it stays unannotated, kept whole with the usual warning.
 
 The halves are views (not contiguous along the later dims); a function that raises on them keeps that
-dim whole. Inputs of more than PROBE_NUMEL elements are probed with their leading dims shrunk to 4;
-a function that raises on those is probed again at its traced sizes (up to 4M elements), then on the
-GPU if there is one. A backward that raises on the whole inputs is not checked (it would fail alike
+dim whole. Outputs of more than PROBE_NUMEL elements are probed with every dim shrunk to 8; a function
+that raises on those is probed again with only its leading dims shrunk (to 4), then at its traced
+sizes (up to 4M elements), then on the GPU if there is one. A backward that raises on the whole inputs is not checked (it would fail alike
 whole or split). The user's random stream is left as it was.
 """
 
@@ -31,8 +31,8 @@ from nnscaler.graph.ops._letters import letters
 
 __all__ = ["probe_annotation", "PROBE_NUMEL"]
 
-PROBE_NUMEL = 1 << 16
-"""Probe at the traced sizes up to this many output elements; above, the leading dims shrink to 4."""
+PROBE_NUMEL = 1 << 12
+"""Probe at the traced sizes up to this many output elements; above, at smaller ones (_probe_shapes)."""
 _FULL_NUMEL = 1 << 22
 """A function that raises on the shrunk sizes is probed again at the traced ones up to this size."""
 _DRAWS = 2
@@ -40,13 +40,23 @@ _TOL = {torch.float64: (1e-9, 1e-12), torch.float32: (1e-5, 1e-6)}
 _LOOSE = (1e-2, 1e-3)
 
 
-def _probe_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    numel = 1
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
     for s in shape:
-        numel *= s
-    if numel <= PROBE_NUMEL or not shape:
-        return tuple(shape)
-    return tuple(min(s, 4) for s in shape[:-1]) + (shape[-1],)
+        n *= s
+    return n
+
+
+def _probe_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The sizes to probe at, each tried when the forward raises on the one before: the traced ones
+    when small; else every dim at most 8, then the leading dims at most 4 (the last, often a feature
+    size the function relies on, kept), then the traced ones unless too large."""
+    if _numel(shape) <= PROBE_NUMEL:
+        return [tuple(shape)]
+    tries = [tuple(min(s, 8) for s in shape), tuple(min(s, 4) for s in shape[:-1]) + (shape[-1],)]
+    if _numel(shape) <= _FULL_NUMEL:
+        tries.append(tuple(shape))
+    return list(dict.fromkeys(tries))
 
 
 def _aligned(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[int | None] | None:
@@ -106,7 +116,7 @@ def _close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 class _Probe:
     def __init__(self, run: Callable[..., Any], args: tuple, metas: list[TensorMeta], out_shape: tuple):
         self.run, self.args, self.metas = run, args, metas
-        self.out_shape = _probe_shape(out_shape)
+        self.out_shape = _probe_shapes(out_shape)[0]
         self.follow = [_aligned(m.shape, out_shape) for m in metas]
         self.device = torch.device("cpu")
 
@@ -115,14 +125,10 @@ class _Probe:
         return [_random(m, s, gen).to(self.device) for m, s in zip(self.metas, shapes)]
 
     def variants(self, traced: tuple[int, ...]) -> Iterator[_Probe]:
-        """This probe, then at the traced sizes (if they were shrunk and are not too large), then on
-        the GPU: the next is tried when a forward raises on the whole inputs."""
-        yield self
-        numel = 1
-        for s in traced:
-            numel *= s
-        if self.out_shape != traced and numel <= _FULL_NUMEL:
-            self.out_shape = traced
+        """This probe at each of `_probe_shapes`, then on the GPU if there is one: the next is tried
+        when a forward raises on the whole inputs."""
+        for shape in _probe_shapes(traced):
+            self.out_shape = shape
             yield self
         if torch.cuda.is_available():
             self.device = torch.device("cuda")
