@@ -109,13 +109,15 @@ class _Watchdog:
         self.frames: list[traceback.FrameSummary] = []
         self.timer = threading.Timer(max(seconds, 0.0), self._fire)
         self.timer.daemon = True
+        self.wait_until = time.monotonic() + max(seconds, 0.0) + _MAX_WAIT_S  # see _unsafe_to_interrupt
 
     def _fire(self) -> None:
         with self.lock:
             if self.cancelled:
                 return
             frame = sys._current_frames().get(self.tid)
-            if frame is not None and _unsafe_to_interrupt(frame):  # wait until it is out of there
+            waits = time.monotonic() < self.wait_until
+            if waits and frame is not None and _unsafe_to_interrupt(frame):  # until it is out of there
                 self.timer = threading.Timer(_RETRY_S, self._fire)
                 self.timer.daemon = True
                 self.timer.start()
@@ -138,6 +140,8 @@ class _Watchdog:
 
 
 _RETRY_S = 0.02
+_MAX_WAIT_S = 10.0
+"""The longest the watchdog waits past the budget for an import or a context exit to end."""
 
 
 def _unsafe_to_interrupt(frame: Any) -> bool:
