@@ -157,12 +157,12 @@ class WideRows(torch.autograd.Function):
 
 
 class EightWideRows(torch.autograd.Function):
-    """Elementwise, but written for 8 rows of at least 100 (the traced batch)."""
+    """Elementwise, but written for 8 rows (the traced batch) and refusing 8 x 8 blocks."""
 
     @staticmethod
     def forward(ctx, x):
-        if x.shape[0] != 8 or x.shape[-1] < 100:
-            raise ValueError(f"8 rows of 100 or more expected, got {tuple(x.shape)}")
+        if x.shape[0] != 8 or x.shape[-1] == 8:
+            raise ValueError(f"8 rows, not of 8, expected, got {tuple(x.shape)}")
         return x.cos()
 
     @staticmethod
@@ -255,3 +255,23 @@ def test_mlp_with_a_function_splits_under_tp():
         program = apply_plan(graph, make_plan(graph, "tp", ComputeConfig(2, 2)))
     (gelu,) = [s for s in program.statements if s.op.endswith("TanhGelu.apply")]
     assert program.local_meta[gelu.outputs[0]].shape == (4, 8)  # half of the 16 features
+
+
+class EveryOther(torch.autograd.Function):
+    """Doubles every other row: splits at even boundaries agree with it, an odd one does not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.clone()
+        y[::2] = y[::2] * 2
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.clone()
+        g[::2] = g[::2] * 2
+        return g
+
+
+def test_position_dependent_functions_are_caught_at_an_odd_cut():
+    assert _probe(EveryOther, (8, 6)) == "a^ b -> a^ b"

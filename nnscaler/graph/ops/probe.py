@@ -3,20 +3,21 @@
 Used for custom autograd Functions the user gave no annotation (graph/capture/autograd_fn.py),
 decided by what the forward does, never by its name. The function qualifies when its outputs all
 have one shape S and each tensor input broadcasts to S (a bias, a per-feature scale). For each dim d
-of S, on small random inputs: the forward on the two halves of the inputs along d (inputs that
-broadcast there passed whole), concatenated, must equal the forward on the whole, and the backward
-(the Function's own, given random output gradients) must give the halves of the sliced inputs'
-gradients and, summed over the halves, the broadcast inputs' gradients; two random draws. Such a dim
-is plain in the annotation; any other is `^`. Elementwise functions get every dim plain; row-wise
-ones (a norm, a softmax over the last dim) every dim but the last. None when no dim passes, or the
-function cannot be probed (it raises on the probe's inputs, takes values the probe cannot make):
-then it stays unannotated, kept whole with the usual warning.
+of S, on small random inputs: the forward on pieces of the inputs along d (the first element, the rest
+of the first half, the second half; inputs that broadcast there passed whole), concatenated, must
+equal the forward on the whole, and the backward (the Function's own, given random output gradients)
+must give the pieces of the sliced inputs' gradients and, summed over the pieces, the broadcast
+inputs' gradients; two random draws. Such a dim is plain in the annotation; any other is `^`.
+Elementwise functions get every dim plain; row-wise ones (a norm, a softmax over the last dim) every
+dim but the last. None when no dim passes, or the function cannot be probed (it raises on the probe's
+inputs, takes values the probe cannot make): then it stays unannotated, kept whole with the usual
+warning.
 
-The halves are views (not contiguous along the later dims); a function that raises on them keeps that
+The pieces are views (not contiguous along the later dims); a function that raises on them keeps that
 dim whole. Outputs of more than PROBE_NUMEL elements are probed with every dim shrunk to 8; a function
 that raises on those is probed again with only its leading dims shrunk (to 4), then at its traced
-sizes (up to 4M elements), then on the GPU if there is one. A backward that raises on the whole inputs is not checked (it would fail alike
-whole or split). The user's random stream is left as it was.
+sizes (up to 4M elements), then on the GPU if there is one. A backward that raises on the whole
+inputs is not checked (it would fail alike whole or split). The user's random stream is left alone.
 """
 
 from __future__ import annotations
@@ -154,18 +155,20 @@ class _Probe:
         return [o.detach() for o in outs], [next(by_leaf) if t.requires_grad else None for t in leaves]
 
     def safe_commutes(self, dim: int, tensors: list[torch.Tensor], whole, grads) -> bool:
-        """commutes(), False where the function raises on the halves (it checks a size, say)."""
+        """commutes(), False where the function raises on the pieces (it checks a size, say)."""
         try:
             return self.commutes(dim, tensors, whole, grads)
         except Exception:  # noqa: BLE001
             return False
 
     def commutes(self, dim: int, tensors: list[torch.Tensor], whole, grads) -> bool:
-        """Does the function on the two halves along `dim` give the halves of `whole`?"""
+        """Does the function on pieces along `dim` (the first element, the rest of the first half, the
+        second half) give the pieces of `whole`?"""
         outs, in_grads = whole
-        cut = self.out_shape[dim] // 2
+        size = self.out_shape[dim]
+        cuts = sorted({1, size // 2}) + [size]  # an odd cut too: no function of the index's parity passes
         pieces = []
-        for part in (slice(0, cut), slice(cut, None)):
+        for part in (slice(a, b) for a, b in zip([0] + cuts, cuts)):
             sliced = [self._slice(t, f, dim, part) for t, f in zip(tensors, self.follow)]
             g = None if in_grads is None else [x[(slice(None),) * dim + (part,)] for x in grads]
             pieces.append(self.call(sliced, g))
@@ -183,7 +186,7 @@ class _Probe:
                     return False
                 continue
             at = follow.index(dim) if dim in follow else None
-            merged = torch.cat(parts, at) if at is not None else parts[0] + parts[1]
+            merged = torch.cat(parts, at) if at is not None else torch.stack(parts).sum(0)
             if not _close(merged, full):
                 return False
         return True
