@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nnscaler.errors import PlanError
-from nnscaler.graph.ir import Graph, Node
+from nnscaler.graph.ir import Graph, Node, graph_fact
 from nnscaler.policies.op_cost import graph_costs
 from nnscaler.policies.stage_dp import stage_dp_py
 from nnscaler.policies.staging import candidate_levels
@@ -193,8 +193,10 @@ def balanced_starts(graph: Graph, candidates: list[int], nstages: int) -> list[i
 
 def node_cost(node: Node, graph: Graph) -> float:
     """Forward FLOPs of one node as the balancer counts them (0 for views)."""
-    index = next(i for i, n in enumerate(graph.nodes) if n is node or n.name == node.name)
-    return graph_costs(graph).flops[index]
+    index = graph_fact(
+        graph, "stage_balance.node_index", lambda g: {n.name: i for i, n in enumerate(g.nodes)}
+    )
+    return graph_costs(graph).flops[index[node.name]]
 
 
 @dataclass(frozen=True)
