@@ -143,7 +143,16 @@ class Branch(nn.Module):
         return x + 1
 
 
-@pytest.mark.parametrize("model", [AndCheck(), Branch()], ids=["and", "branch"])
+class CallTestsTruth(nn.Module):
+    """`all([a, b])` tests each operand's truth inside the call: not the `if`'s own test."""
+
+    def forward(self, x):
+        if all([(x > 0).all(), x.sum() > 100]):
+            raise ValueError("too large")
+        return x * 2
+
+
+@pytest.mark.parametrize("model", [AndCheck(), Branch(), CallTestsTruth()], ids=["and", "branch", "call"])
 def test_other_reads_of_values_still_fail_as_data_dependent(model):
     with pytest.raises(TraceError, match="data-dependent"):
         capture(model, {"x": torch.ones(3)}, auto_leaf_modules=False)

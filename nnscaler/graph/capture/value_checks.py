@@ -30,6 +30,7 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
+import dis
 import functools
 import linecache
 import os
@@ -163,6 +164,16 @@ def _user_frame(skip_torch: bool = False) -> types.FrameType | None:
     return frame
 
 
+def _tests_truth(frame: types.FrameType) -> bool:
+    """Whether the frame's current instruction is the statement's own truth test (a conditional jump,
+    `not`), not a call inside the condition that tests truth itself (`all([a, b])`)."""
+    code = frame.f_code.co_code
+    if not 0 <= frame.f_lasti < len(code):
+        return False
+    op = dis.opname[code[frame.f_lasti]]
+    return ("JUMP" in op and "IF" in op) or op in ("UNARY_NOT", "TO_BOOL")
+
+
 def _site(frame: types.FrameType) -> _Site | None:
     found = _check_stmt(frame.f_code.co_filename, frame.f_lineno)
     if found is None:
@@ -264,7 +275,7 @@ class _ValueCheckMode(TorchFunctionMode):
     @staticmethod
     def _truth(cond: torch.Tensor) -> bool | None:
         frame = _user_frame()
-        site = _site(frame) if frame is not None else None
+        site = _site(frame) if frame is not None and _tests_truth(frame) else None
         if site is None:
             return None
         source = "".join(linecache.getlines(frame.f_code.co_filename))
