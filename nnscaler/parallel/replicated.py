@@ -183,9 +183,8 @@ def replicated_share(graph: Graph, plan, program, cfg=None) -> ReplicatedShare:
         g = groups.setdefault(
             why, {"bytes": 0, "flops": 0.0, "ops": 0, "params": 0, "ex": example, "size": -math.inf}
         )
-        size = (
-            flops if ops else float(nbytes) - 1e30
-        )  # the costliest op names the group, else the largest weight
+        # the costliest op whose own cause it is names the group, else the costliest op, else the largest weight
+        size = (flops if own else flops - 1e20) if ops else float(nbytes) - 1e30
         if size > g["size"]:
             g["ex"], g["size"] = example, size
         g["bytes"] += nbytes

@@ -198,3 +198,25 @@ def test_batch_split_keeps_weights_whole_and_says_why(tmp_path):
     share = res.replicated
     assert share.param_share == 1.0 and share.flops_share < 0.05
     assert share.reasons[0].kind == "data-parallel" and share.reasons[0].params == 4
+
+
+class Downstream(nn.Module):
+    """A cheap unannotated op, then a much bigger elementwise op (and its weight) on its whole output."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(16))
+        self.wide = nn.Parameter(torch.ones(16, 64))
+
+    def forward(self, x, y):
+        h = twist(x, self.scale).unsqueeze(-1) * self.wide
+        return F.mse_loss(h.sum(-1), y)
+
+
+def test_ops_downstream_of_a_whole_op_take_its_cause(tmp_path):
+    data = {"x": torch.randn(ROWS, 16), "y": torch.randn(ROWS, 16)}
+    res = compile_module(Downstream(), data, "tp", ComputeConfig(2, 2), tmp_path, "test")
+    share = res.replicated
+    cause = share.reasons[0]
+    assert cause.kind == "unannotated" and cause.params == 2 and share.param_share == 1.0
+    assert cause.ops > 1 and cause.example.startswith("h7_whole.twist.default")  # named by its own op
