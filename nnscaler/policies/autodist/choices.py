@@ -27,7 +27,20 @@ from nnscaler.policies.plan import REPLICATE, NodePlan
 
 __all__ = ["Choice", "NodeChoices", "node_choices", "tensor_refs"]
 
-_MATMUL_PREFIX = ("aten.linear", "aten.mm", "aten.bmm", "aten.matmul", "aten.addmm", "aten.baddbmm")
+_MATMUL_PREFIX = (
+    "aten.linear",
+    "aten.mm",
+    "aten.bmm",
+    "aten.matmul",
+    "aten.addmm",
+    "aten.baddbmm",
+    "aten.addbmm",
+    "aten.einsum",
+    "aten.mv",
+    "aten.tensordot",
+    "aten.inner",
+    "aten.linalg_multi_dot",
+)
 _MATMUL_LIKE = ("attention", "conv", "moe_experts")
 
 
