@@ -63,6 +63,7 @@ def test_ctc_with_label_check_is_exact_under_every_policy(tmp_path):
         _cp("ulysses"),
         ParityCase(MODEL, "data", 2, optimizer="sgd"),  # the batch split through the CTC loss
         ParityCase(f"{__name__}:build_checked_mlp", "tp", 2, optimizer="sgd"),
+        ParityCase(f"{__name__}:build_checked_mlp", "autodist", 2, optimizer="sgd"),
     ]
     results = run_parity_many(cases, 2, tmp_path=tmp_path, timeout=600)
     tp = results[1]
