@@ -220,7 +220,8 @@ build_hf_llama_eager = _hf_eager(
 
 class SharedBiasAttention(nn.Module):
     """matmul attention plus a learned bias read whole by a split: `shared` (s, s), the same for every
-    head (whole under tp), or `per_key` (heads, 1, s), one row for every query (whole under cp)."""
+    head (whole under tp), or `per_key` (heads, 1, s), one row for every query (whole under cp); or,
+    `causal`, no bias and a causal mask by `masked_fill(~tril, -inf)`."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -234,7 +235,11 @@ class SharedBiasAttention(nn.Module):
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, HEADS, WIDTH // HEADS).permute(2, 0, 3, 1, 4)
         scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(WIDTH // HEADS)
-        scores = scores + (self.shared[:s, :s] if self.kind == "shared" else self.per_key[..., :s])
+        if self.kind == "causal":  # no bias: the mask alone, which capture makes is_causal=True
+            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            scores = scores.masked_fill(~causal, float("-inf"))
+        else:
+            scores = scores + (self.shared[:s, :s] if self.kind == "shared" else self.per_key[..., :s])
         return self.o(torch.matmul(scores.softmax(-1), v).transpose(1, 2).reshape(b, s, WIDTH))
 
 
@@ -261,3 +266,8 @@ def build_shared_bias(seed: int = 0):
 def build_per_key_bias(seed: int = 0):
     torch.manual_seed(seed)
     return _BiasDecoder("per_key").train(), _tokens
+
+
+def build_causal_matmul(seed: int = 0):
+    torch.manual_seed(seed)
+    return _BiasDecoder("causal").train(), _tokens

@@ -94,7 +94,9 @@ class _Attention(nn.Module):
         q, k, v = self.proj(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
         scores = torch.matmul(q, k.transpose(-1, -2))
         scores = scores * self.temperature if self.variant == "param_scale" else scores / 2.0
-        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        causal = torch.ones(s, s, dtype=torch.bool).tril(-1 if self.variant == "no_diagonal" else 0)
+        if self.variant == "shifted":  # a window: key <= query and key > query - 3
+            causal = causal & ~torch.ones(s, s, dtype=torch.bool).tril(-3)
         scores = scores.masked_fill(~causal, float("-inf") if self.variant != "fill_zero" else 0.0)
         if self.variant == "upcast":  # half scores, softmax in float32, cast back (BLOOM, GPT-2)
             probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
@@ -118,8 +120,39 @@ def test_plain_matmul_attention_fuses():
     graph = _capture(_Attention())
     assert _ops(graph).count(SDPA) == 1 and "aten.softmax.int" not in _ops(graph)
     (node,) = [n for n in graph.nodes if n.op == SDPA]
-    assert graph.values[node.input_names()[3]].meta.dtype == "bool"  # a -inf mask alone stays boolean
+    assert len(node.input_names()) == 3 and node.kwargs["is_causal"] is True  # no (s, s) mask made
     assert node.kwargs["scale"] == 0.5
+    assert "aten.tril.default" not in _ops(graph)
+
+
+@pytest.mark.parametrize("variant", ["no_diagonal", "shifted"])
+def test_a_mask_not_exactly_causal_stays_a_mask(variant):
+    graph = _capture(_Attention(variant))
+    (node,) = [n for n in graph.nodes if n.op == SDPA]
+    assert "is_causal" not in node.kwargs
+    assert graph.values[node.input_names()[3]].meta.dtype == "bool"  # a -inf mask alone stays boolean
+
+
+def test_causal_by_comparing_positions():
+    """einsum attention with the mask `where(pos[None, :] <= pos[:, None], scores, -inf)`."""
+
+    class Causal(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 24)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, s, _ = x.shape
+            q, k, v = self.proj(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+            pos = torch.arange(s)
+            scores = torch.where(
+                pos[None, :] <= pos[:, None], torch.einsum("bhqd,bhkd->bhqk", q, k), float("-inf")
+            )
+            return torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v).sum()
+
+    graph = _capture(Causal())
+    (node,) = [n for n in graph.nodes if n.op == SDPA]
+    assert node.kwargs["is_causal"] is True and node.kwargs["scale"] == 1.0
 
 
 def test_softmax_in_float32_cast_back_fuses():

@@ -8,20 +8,24 @@ parallelism (graph/ops/attention.py). Operands of shape (batch*heads, s, d) are 
 (batch, heads, s, d) tensor they were reshaped from when there is one (or reshaped to it), so the
 heads stay a dim of their own. The scale becomes `scale=`; the additive biases and masks become
 `attn_mask`, built by the same ops applied to the bias instead of the scores (a boolean mask alone
-stays boolean, True = attend): SDPA computes softmax(q k^T * scale + attn_mask) v, the same numbers
-up to round-off (the order of the scale and the additions may differ).
+stays boolean, True = attend; the causal mask alone becomes `is_causal=True`, attention_causal.py):
+SDPA computes softmax(q k^T * scale + attn_mask) v, the same numbers up to round-off (the order of
+the scale and the additions may differ).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from nnscaler.graph.capture.attention_causal import causal_mask_kind
 from nnscaler.graph.capture.attention_pattern import VIEWS, AttentionMatch, find_attention
 from nnscaler.graph.ir import Graph, Node, Ref, SymExpr, TensorMeta, Value, map_refs
 
 __all__ = ["fuse_attention"]
 
 SDPA = "aten.scaled_dot_product_attention.default"
+CAUSAL = "is_causal"
+"""`_mask`'s answer for a mask that is exactly the causal one: SDPA's `is_causal=True`, no mask."""
 _PURE = (
     *VIEWS,
     "aten.transpose.int",
@@ -34,8 +38,19 @@ _PURE = (
     "aten.contiguous.default",
     "aten.empty.memory_format",
     "aten.zeros.default",
+    "aten.ones.default",
+    "aten.arange.default",
+    "aten.arange.start",
+    "aten.tril.default",
+    "aten.triu.default",
+    "aten.bitwise_not.default",
+    "aten.logical_not.default",
+    "aten.le.Tensor",
+    "aten.ge.Tensor",
+    "aten.lt.Tensor",
+    "aten.gt.Tensor",
 )
-"""Ops the rewrite may leave unread and then drops (no side effects)."""
+"""Ops the rewrite may leave unread and then drops (no side effects): views, and what makes masks."""
 
 
 def _size(meta: TensorMeta, dim: int) -> int | SymExpr:
@@ -190,6 +205,8 @@ def _mask(em: _Emitter, m: AttentionMatch, lead, dtype: str) -> tuple[str | None
             acc = em.broadcast("aten.where.ScalarOther", (Ref(ref), Ref(acc), step.value), ref, acc, dtype)
     if acc is None and not keep and not hide:
         return None, scale
+    if acc is None and len(keep + hide) == 1 and _causal(em, m, (keep + hide)[0], "keep" if keep else "hide"):
+        return CAUSAL, scale
     if acc is None:  # only -inf masks: one boolean mask, True = attend
         allowed = [em.emit("aten.logical_not.default", (Ref(h),), {}, em.sizes(h), "bool") for h in hide]
         allowed = keep + allowed
@@ -202,6 +219,16 @@ def _mask(em: _Emitter, m: AttentionMatch, lead, dtype: str) -> tuple[str | None
     for kept in keep:
         acc = em.broadcast("aten.where.ScalarOther", (Ref(kept), Ref(acc), float("-inf")), kept, acc, dtype)
     return acc, scale
+
+
+def _causal(em: _Emitter, m: AttentionMatch, mask: str, kind: str) -> bool:
+    """Whether `mask` (True = `kind`) is the causal mask of this attention's sequence (no other mask)."""
+    q, k = em.meta(m.q), em.meta(m.k)
+    size, other = _size(q, -2), _size(k, -1 if m.k_transposed else -2)
+    same = (
+        size.code == other.code if isinstance(size, SymExpr) and isinstance(other, SymExpr) else size == other
+    )
+    return same and mask in em.graph.values and causal_mask_kind(em.graph, mask, size) == kind
 
 
 def _rewrite(graph: Graph, m: AttentionMatch, taken: set[str], base: str):
@@ -232,12 +259,14 @@ def _rewrite(graph: Graph, m: AttentionMatch, taken: set[str], base: str):
             if graph.values[readers[0].outputs[0]].meta.shape == want:
                 target = readers[0].outputs[0]
                 replaced.append(readers[0])
+    kwargs = {"is_causal": True, "scale": scale} if attn_mask == CAUSAL else {"scale": scale}
+    attn_mask = None if attn_mask == CAUSAL else attn_mask
     args = (Ref(q), Ref(k), Ref(v)) + ((Ref(attn_mask),) if attn_mask else ())
     sizes = em.sizes(q)[:-1] + em.sizes(v)[-1:]
     for n in replaced:
         taken.discard(n.outputs[0])
     name = target if target in outputs else base
-    result = em.emit(SDPA, args, {"scale": scale}, sizes, dtype, name=name)
+    result = em.emit(SDPA, args, kwargs, sizes, dtype, name=name)
     renamed = {target: result} if result != target else {}
     if lead is not None and target == out:
         em.emit("aten.reshape.default", (Ref(result), em.sizes(out)), {}, em.sizes(out), dtype, name=out)
