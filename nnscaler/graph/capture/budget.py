@@ -290,8 +290,19 @@ def capture_within_budget(
     to; with fixed sizes it is the fast trace)."""
     from nnscaler.graph.capture.export import _clear_dim_marks
 
+    budget = TraceBudget(seconds)
     try:
-        return run_within(TraceBudget(seconds), open_trace)
+        out = run_within(budget, open_trace)
+        left = budget.remaining()
+        if budget.seconds is not None and left is not None and left < budget.seconds / 2:
+            _log.info(
+                "tracing %s with input sizes left open took %.1f s of its %g s budget "
+                "(ComputeConfig.trace_time_budget_s; past it, sizes are fixed)",
+                type(module).__name__,
+                budget.seconds - left,
+                budget.seconds,
+            )
+        return out
     except TraceBudgetExceeded as over:
         _clear_dim_marks(dummy_forward_args)  # a trace cut short leaves its marks; the retry fixes every dim
         fixed = _fixed_dims(dummy_forward_args)
