@@ -71,6 +71,8 @@ def capture(
 def _open_sizes(
     module: torch.nn.Module, dummy_forward_args: dict[str, Any], constant_folding: bool, options: tuple
 ) -> Graph:
+    """The trace with sizes left open (under capture's time budget); with constant folding, a model
+    that fails that way is traced again with every size fixed."""
     if not constant_folding:
         return _capture(module, dummy_forward_args, False, *options)
     try:
