@@ -111,7 +111,11 @@ def leaf_module_lines(program: Program | PipelineProgram) -> tuple[list[str], li
     for st in leaves:
         if st.kwargs["leaf"].endswith("()"):  # a method: the state of its module it uses, by name there
             used.setdefault(st.kwargs["leaf"], set()).update(st.kwargs["state"])
-    if used:
-        state = {k: tuple(sorted(v)) for k, v in sorted(used.items())}
-        attrs.append(f"leaf_state = {state!r}  # the parameters and buffers each opaque method uses")
+    if used:  # one name a line (the class attribute lines are indented by 4)
+        lines = [
+            "leaf_state = {  # the parameters and buffers each opaque method uses, by name in its module"
+        ]
+        for key, names in sorted(used.items()):
+            lines += [f"        {key!r}: (", *(f"            {n!r}," for n in sorted(names)), "        ),"]
+        attrs.append("\n".join([*lines, "    }"]))
     return [f"{_RUNTIME}  # runs the opaque leaf modules"], attrs

@@ -50,19 +50,22 @@ __all__ = [
 _SKIP = ("/torch/", "/nnscaler/")
 
 
+def _attributes(module: torch.nn.Module) -> list[dict[str, Any]]:
+    """Where `module`'s attributes live, first found first: the instance, then its classes."""
+    return [module.__dict__, *(vars(k) for k in type(module).__mro__)]
+
+
 def method_of(module: torch.nn.Module, code: CodeType) -> str | None:
-    """The name of `module`'s method (an attribute, decorators and all) whose function is `code`."""
-    name = code.co_name
-    candidates = [name] if name in dir(module) else []
-    candidates += [n for n in vars(module) if n != name]
-    candidates += [n for k in type(module).__mro__ for n in vars(k) if n != name]
-    for attr in dict.fromkeys(candidates):
-        fn = module.__dict__.get(attr)
-        if fn is None:
-            fn = next((vars(k)[attr] for k in type(module).__mro__ if attr in vars(k)), None)
-        if isinstance(fn, (staticmethod, classmethod)):
-            continue
-        if callable(fn) and _innermost_code(fn) is code:  # not a decorator's wrapper (shared by many)
+    """The name of `module`'s method (an attribute, decorators and all) whose own function is `code`
+    (a decorator's wrapper, whose code many methods share, is none)."""
+    owners = _attributes(module)
+    for attr in dict.fromkeys([code.co_name, *(n for d in owners for n in d)]):  # its own name first
+        fn = next((d[attr] for d in owners if attr in d), None)
+        if (
+            callable(fn)
+            and not isinstance(fn, (staticmethod, classmethod, type))
+            and _innermost_code(fn) is code
+        ):
             return attr
     return None
 
@@ -108,19 +111,23 @@ def trace_regions(stack_trace: str, paths: list[str], root: torch.nn.Module) -> 
 
 
 def _named_region(path: str, module: torch.nn.Module, fn: str, filename: str, line: int) -> str | None:
-    for attr in dict.fromkeys([fn, *(n for k in type(module).__mro__ for n in vars(k))]):
-        value = module.__dict__.get(attr) or next(
-            (vars(k)[attr] for k in type(module).__mro__ if attr in vars(k)), None
-        )
-        code = _innermost_code(value)
-        if code is None or code.co_name != fn or code.co_filename != filename:
-            continue
-        if code.co_firstlineno <= line:
+    owners = _attributes(module)
+    for attr in dict.fromkeys([fn, *(n for d in owners for n in d)]):
+        code = _innermost_code(next((d[attr] for d in owners if attr in d), None))
+        if (
+            code is not None
+            and code.co_name == fn
+            and code.co_filename == filename
+            and code.co_firstlineno <= line
+        ):
             return _region(path, module, code)
     return None
 
 
 def _innermost_code(fn: Any) -> CodeType | None:
+    """The code of the function under `fn`'s decorators (their `__wrapped__` chain)."""
+    if not callable(fn):
+        return None
     code = None
     for _ in range(16):
         fn = getattr(fn, "__func__", fn)
