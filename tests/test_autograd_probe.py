@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -233,6 +234,11 @@ def test_captured_functions_are_annotated_by_their_probe():
     assert str(found["TanhGelu.apply"]) == "a b -> a b"
     assert str(found["CumSum.apply"]) == "a^ b -> a^ b"
     assert found["GlobalGrad.apply"] is None
+    from nnscaler.parallel.unannotated import UnannotatedOpWarning, check_unannotated
+
+    with pytest.warns(UnannotatedOpWarning) as caught:
+        check_unannotated(graph)
+    assert [str(w.message).split()[1] for w in caught] == [f"{__name__}:GlobalGrad.apply"]
 
 
 def test_mlp_with_a_function_splits_under_tp():
