@@ -106,8 +106,8 @@ def choose_stages(
 ) -> StageChoice | None:
     """The balanced stages (see the module docstring); None when no split fits `mem_limit`. `whole`:
     module paths no stage start may fall inside (recomputed modules). Raises PlanError when there are
-    fewer places to start a stage than stages. Levels finer than the first with more than
-    `max_candidates` places are not tried (the DP is quadratic in them)."""
+    fewer places to start a stage than stages. Levels finer than the first with enough places and
+    with more than `max_candidates` places are not tried (the DP is quadratic in them)."""
     levels = candidate_levels(graph, pivots, whole)
     if nstages > len(levels[-1][1]):
         where = (
@@ -121,9 +121,11 @@ def choose_stages(
             + (" or finer pipeline_pivots" if pivots else "")
         )
     best: StageChoice | None = None
-    for k, (level, cands) in enumerate(levels):
-        if len(cands) < nstages or (k and len(cands) > max_candidates):
+    tried = False
+    for level, cands in levels:
+        if len(cands) < nstages or (tried and len(cands) > max_candidates):
             continue
+        tried = True
         segs = segments_for(cands)
         need = [1 if p > 0 else 0 for p in segs.param]
         if sum(need) < nstages:  # too few segments hold weights for every stage to hold some
@@ -135,7 +137,7 @@ def choose_stages(
             continue
         bounds = first + [len(cands)]
         costs = [sum(segs.cost[bounds[s] : bounds[s + 1]]) for s in range(nstages)]
-        choice = StageChoice([cands[k] for k in first], costs, worst, level)
+        choice = StageChoice([cands[j] for j in first], costs, worst, level)
         if best is None or _better(choice, best):
             best = choice
         if best.ratio <= target:

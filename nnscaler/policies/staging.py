@@ -135,7 +135,8 @@ def _candidate_levels(graph: Graph, pivots: tuple[str, ...], whole: tuple[str, .
     costs = graph_costs(graph)
     inside = _inside_whole(graph, whole)
     if pivots:
-        return [(f"pivots {', '.join(pivots)}", sorted({0, *(i for i, _ in pivot_starts(graph, pivots))}))]
+        found = [i for i, _ in pivot_starts(graph, pivots) if not inside[i]]
+        return [(f"pivots {', '.join(pivots)}", sorted({0, *found}))]
     paths = [n.module_path for n in graph.nodes]
     deepest = max((len(p.split(".")) for p in paths if p), default=0)
     levels: list[tuple[str, list[int]]] = []
