@@ -31,3 +31,23 @@ def test_unequal_stack_matches_one_device(tmp_path):
         if case.policy == "pp":  # each rank holds one stage's weights, never all or none of them
             fractions = [r["local_param_fraction"] for r in per_rank]
             assert all(0.2 < f < 0.8 for f in fractions), (case.label, fractions)
+
+
+def test_unequal_stack_hybrid_four_stages(tmp_path):
+    """4 virtual stages on 2 groups of 2 devices (tp inside each stage): the stages start inside the
+    experts layers (the balancer's finer places) and each stage's tp plan still trains exactly."""
+    pas = {
+        "pipeline_nmicros": 2,
+        "pp_size": 2,
+        "pipeline_nstages": 4,
+        "pipeline_scheduler": "1f1b_interleaved",
+    }
+    case = ParityCase(
+        UNEQUAL,
+        "hybrid",
+        4,
+        config_kwargs={"use_end2end": True, "pas_config": pas},
+        nmicros=2,
+        optimizer="sgd",
+    )
+    run_parity_many([case], 4, tmp_path=tmp_path, timeout=280)
