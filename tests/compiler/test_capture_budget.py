@@ -2,7 +2,8 @@
 
 A model whose symbolic trace is slow (tests/zoo_shifted_windows.py: NestedWindows, minutes with every
 input dim symbolic, a fraction of a second with fixed sizes) compiles within the budget + 10 s, with a
-TraceBudgetWarning naming its source line and the field to raise, and trains as on one device. A
+TraceBudgetWarning naming its source line and the field to raise, and trains as on one device; the
+budget covers the retries after a submodule is made opaque, and the result matches eager. A
 Swin-style model (roll, padding to a multiple of the window, window views, a relative-position bias)
 compiles with the default budget and trains exactly under dp, tp, pp and autodist, with tp splitting
 its weights.
@@ -11,6 +12,7 @@ its weights.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import inspect
 import math
@@ -23,6 +25,7 @@ import warnings
 import pytest
 import torch
 
+import nnscaler
 from nnscaler import ComputeConfig
 from nnscaler.errors import ConfigError
 from nnscaler.graph.capture.budget import TraceBudget, TraceBudgetExceeded, TraceBudgetWarning, run_within
@@ -59,6 +62,53 @@ def test_slow_symbolic_trace_falls_back_to_fixed_sizes_within_budget(constant_fo
     assert found and found.group(1).endswith("zoo_shifted_windows.py"), message
     assert int(found.group(2)) in _forward_lines(NestedWindows), message
     assert result.graph.static_shapes  # every size fixed: the generated code accepts only those shapes
+
+
+class RowScale(torch.nn.Module):
+    """Scales each group of rows of `x` by its own learned factor, group sizes read from `sizes`
+    (data-dependent: capture makes it opaque and traces again, inside the same budget)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.tensor([0.5, 2.0]))
+
+    def forward(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        factors = torch.cat([self.gain[i].expand(n) for i, n in enumerate(sizes.tolist())])
+        return x * factors[:, None, None, None]
+
+
+class SlowWithOpaquePart(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = RowScale()
+        self.windows = NestedWindows()
+
+    def forward(self, pixels: torch.Tensor, sizes: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.windows(self.scale(pixels, sizes), labels)
+
+
+def test_budget_covers_leaf_retries_and_the_result_matches_eager(tmp_path):
+    torch.manual_seed(0)
+    model = SlowWithOpaquePart()
+    reference = copy.deepcopy(model)
+    _, make_batch = build_nested()
+    batch = {**make_batch(0, 4), "sizes": torch.tensor([1, 3])}
+    cfg = ComputeConfig(1, 1, trace_time_budget_s=3)
+    start = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = nnscaler.parallelize(model, batch, "dp", cfg, gen_savedir=tmp_path)
+    elapsed = time.monotonic() - start
+    assert elapsed < 3 + 10, f"parallelize took {elapsed:.1f} s with a 3 s trace budget"
+    assert any(issubclass(w.category, TraceBudgetWarning) for w in caught), [str(w.message) for w in caught]
+    batch = {**make_batch(1, 4), "sizes": torch.tensor([2, 2])}
+    loss, ref = pm(**batch), reference(**batch)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    names = pm.dist_param_map
+    for local, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad, reference.get_parameter(names[local]).grad, msg=names[local])
 
 
 class Tiny(torch.nn.Module):
