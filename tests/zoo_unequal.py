@@ -5,7 +5,8 @@
   F.scaled_dot_product_attention; a mixture of experts with hand-written top-2 routing over dense
   experts), then a head with the loss.
 - `build_gnn`: a graph network: node and edge counts from an edge list, message passing with
-  index_select and index_add over the edges, a readout and a loss.
+  index_select and index_add over the edges, a readout and a loss; `build_gnn_flat` the same with
+  its rounds as plain attributes (no ModuleList) and more index arithmetic up front.
 
 Both are small (a few thousand parameters) and deterministic from their seed.
 """
@@ -16,7 +17,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["UnequalStack", "GraphNet", "build_unequal", "build_gnn", "UNEQUAL_LAYERS"]
+__all__ = [
+    "UnequalStack",
+    "GraphNet",
+    "FlatGraphNet",
+    "build_unequal",
+    "build_gnn",
+    "build_gnn_flat",
+    "UNEQUAL_LAYERS",
+]
 
 VOCAB, HIDDEN, SEQ = 48, 16, 8
 
@@ -175,6 +184,33 @@ class GraphNet(nn.Module):
         for layer in self.layers:
             h = layer(h, src, dst, inv_degree)
         return F.mse_loss(self.readout(h).squeeze(-1), y)
+
+
+class FlatGraphNet(GraphNet):
+    """GraphNet with its rounds as attributes (`round1`, `round2`), no list: nothing repeats in a
+    ModuleList, so nnScaler 0.8's even split of the operators would apply."""
+
+    def __init__(self) -> None:
+        super().__init__(rounds=0)
+        self.round1 = MessagePassing()
+        self.round2 = MessagePassing()
+
+    def forward(self, x, edges, y):
+        src, dst = edges[0], edges[1]
+        ones = torch.ones_like(dst, dtype=x.dtype)
+        degree = torch.zeros(x.shape[0], dtype=x.dtype).index_add(0, dst, ones)
+        inv_degree = (1.0 / degree.clamp(min=1.0)).unsqueeze(-1)
+        scale = torch.sqrt(inv_degree) * inv_degree.mean()
+        inv_degree = (inv_degree * scale).clamp(max=1.0)
+        h = F.relu(self.encode(x))
+        h = self.round2(self.round1(h, src, dst, inv_degree), src, dst, inv_degree)
+        return F.mse_loss(self.readout(h).squeeze(-1), y)
+
+
+def build_gnn_flat(seed: int = 0):
+    model, make_batch = build_gnn(seed)
+    torch.manual_seed(seed)
+    return FlatGraphNet().train(), make_batch
 
 
 def build_gnn(seed: int = 0):

@@ -20,6 +20,7 @@ from nnscaler.graph.ir import Graph, cut_graph
 from nnscaler.policies.context_parallel import context_parallel_of, with_context_parallel
 from nnscaler.policies.expert_parallel import check_ep_size, with_expert_parallel
 from nnscaler.policies.nccl_sim import check_nccl
+from nnscaler.policies.op_cost import graph_costs
 from nnscaler.policies.options import HybridOptions, PipelineOptions, PpOptions
 from nnscaler.policies.plan import SCHEDULERS, NodePlan, PipelinePlan, Plan
 from nnscaler.policies.recompute import recompute_paths
@@ -47,21 +48,36 @@ def check_end2end_loss(graph: Graph) -> None:
 
 
 def _repeated_layers(graph: Graph, opts: PipelineOptions) -> tuple[str, ...] | None:
-    """The class of the repeated layers (for people reading the plan); None (with a warning) when the
-    model has none and nothing else says where stages start: then they split the operators evenly, as
-    nnScaler 0.8 does."""
+    """The class of the repeated layers (for people reading the plan); None when the model has none
+    and nothing else says where stages start (then nnScaler 0.8 splits the operators evenly)."""
     try:
         return default_pivots(graph)
     except PlanError:
-        if opts.pipeline_stages:
-            return ()
-        warnings.warn(
-            "pipeline: no pipeline_pivots given and no repeated layers found, so the stages split the "
-            f"{len(graph.nodes)} operators evenly (nnScaler 0.8's rule); set pas_config['pipeline_pivots'] "
-            "to start stages at module boundaries",
-            stacklevel=3,
-        )
-        return None
+        return () if opts.pipeline_stages else None
+
+
+def _even_or_balanced(graph: Graph, nstages: int, whole: tuple[str, ...]) -> tuple[list[int], str]:
+    """nnScaler 0.8's rule for a model without repeated layers (the operators split evenly, with a
+    warning), unless that leaves a stage without weights where the balancer gives every stage some."""
+    starts = _even_starts(len(graph.nodes), nstages)
+    bare = [k for k, p in enumerate(graph_costs(graph).params_of(graph, starts)) if p == 0]
+    if bare:
+        choice = balanced_stages(graph, nstages, (), whole)
+        if all(p > 0 for p in graph_costs(graph).params_of(graph, choice.starts)):
+            warnings.warn(
+                f"pipeline: no pipeline_pivots given and no repeated layers found; splitting the {len(graph.nodes)} "
+                f"operators evenly (nnScaler 0.8's rule) would leave stage(s) {bare} without weights, so the "
+                "stages are balanced by cost instead; set pas_config['pipeline_pivots'] to choose",
+                stacklevel=3,
+            )
+            return choice.starts, f"balanced at {choice.level}"
+    warnings.warn(
+        "pipeline: no pipeline_pivots given and no repeated layers found, so the stages split the "
+        f"{len(graph.nodes)} operators evenly (nnScaler 0.8's rule); set pas_config['pipeline_pivots'] "
+        "to start stages at module boundaries",
+        stacklevel=4,
+    )
+    return starts, "splitting the operators evenly"
 
 
 def _even_starts(nnodes: int, nstages: int) -> list[int]:
@@ -97,8 +113,9 @@ def _pipeline(
     pivots = parse_pivots(opts.pipeline_pivots)
     explicit = opts.pipeline_stages
     layers = () if pivots else _repeated_layers(graph, opts)
+    whole = recompute_paths(graph, opts.recompute_modules)  # each checkpointed in one stage
     if layers is None:  # nnScaler's rule: the operators split evenly over the stages
-        starts, how = _even_starts(len(graph.nodes), nstages), "splitting the operators evenly"
+        starts, how = _even_or_balanced(graph, nstages, whole)
     elif explicit:
         starts = explicit_starts(graph, list(explicit))
         if len(starts) != nstages:
@@ -108,7 +125,6 @@ def _pipeline(
             )
         how = "as pipeline_stages names them"
     else:
-        whole = recompute_paths(graph, opts.recompute_modules)  # each checkpointed in one stage
         choice = balanced_stages(graph, nstages, pivots, whole)
         starts, how = choice.starts, f"balanced at {choice.level}"
     summary = f"pipeline {stage_summary(graph, starts)} ({how})"

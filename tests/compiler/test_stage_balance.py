@@ -177,3 +177,15 @@ def test_report_lines_name_every_stage(graphs):
     rows = [line for line in lines if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 4 and rows[0].startswith("| 0 | embed |"), lines
     assert stage_report_lines(graph, make_plan(graph, "dp", ComputeConfig(1, 1))) == []
+
+
+def test_without_repeated_layers_no_stage_is_left_without_weights():
+    """nnScaler 0.8 splits the operators of a model without a ModuleList evenly; where that leaves a
+    stage only index arithmetic (the graph network's degree computation), the stages are balanced."""
+    model, make_batch = zoo.build("tests.zoo_unequal:build_gnn_flat")
+    graph = capture(model, make_batch(1, 2))
+    with pytest.warns(UserWarning, match=r"would leave stage\(s\) \[0\] without weights"):
+        plan = make_plan(graph, "pp", _cfg(3))
+    for piece in cut_graph(graph, _starts(graph, plan)):
+        assert piece.params, f"stage {piece.index} holds no weights"
+        assert any(n.op.startswith(_CONTRACTING) for n in piece.graph.nodes), piece.index
