@@ -2,7 +2,8 @@
 
 For each model (the unequal stack of tests/zoo_unequal.py: embedding, state-space, attention and
 mixture-of-experts layers, a head; the graph network of the same file: index arithmetic, message
-passing with index_select / index_add; a Llama from tests/zoo.py) and each pipeline degree, the model
+passing with index_select / index_add, and `gnn_flat`, the same without a ModuleList; a Llama from
+tests/zoo.py) and each pipeline degree, the model
 is traced (no processes, no devices) and planned with `make_plan(graph, 'pp', ComputeConfig(pp, pp,
 use_end2end=True))`, and printed as JSON: each stage's forward FLOPs and weight bytes (as the balancer,
 nnscaler/policies/stage_balance.py, counts them: op_cost.graph_costs), their shares, the heaviest /
@@ -10,7 +11,7 @@ lightest stage ratio (the issue's target: at most 1.3 on the unequal stack), whi
 starts were chosen from (blocks, modules inside the blocks, operators) and where each stage starts.
 For comparison, `blocks_only` is the same balancer restricted to block boundaries (the layers).
 
-    python benchmarks/stage_balance.py [--pp 2 4] [--models unequal gnn llama]
+    python benchmarks/stage_balance.py [--pp 2 4] [--models unequal gnn gnn_flat llama]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from tests import zoo  # noqa: E402
 MODELS = {
     "unequal": "tests.zoo_unequal:build_unequal",
     "gnn": "tests.zoo_unequal:build_gnn",
+    "gnn_flat": "tests.zoo_unequal:build_gnn_flat",
     "llama": "llama_deep",
 }
 """Benchmark name -> zoo model (llama_deep: tests/zoo.py's tiny Llama with 8 decoder layers)."""
