@@ -5,12 +5,15 @@ class names, or methods as `"model.get_image_features()"`). Or capture finds it:
 fails on data-dependent Python (`for n in sizes.tolist()`), the innermost function on the failing call
 stack that is a method of a module of the model (a submodule's forward included, the top module's
 forward never: leaf_regions.py) and takes and returns tensors (pytrees of tensors and literals)
-becomes a leaf and the export is retried, as often as it takes. A leaf method takes the parameters
-and buffers of its module that it was seen to use in a real run on the dummy inputs. Each leaf traces as one `nnscaler_leaf::call` node (leaf_op.py) taking its tensor arguments and
-its parameters and buffers (lifted under their original names, so checkpoints, merges and the
-gradient reducer see them); the plan replicates it; generated code calls `nnscaler.runtime.leaf.call`,
-which runs the module with `torch.func.functional_call` on the generated module's own tensors, so
-autograd gives its parameters their gradients. A LeafModuleWarning names every leaf and why.
+becomes a leaf, and so does every other region a real run on the dummy inputs sees reading sizes from
+values; then the export is retried, as often as it takes.
+
+Each leaf traces as one `nnscaler_leaf::call` node (leaf_op.py) taking its tensor arguments and its
+parameters and buffers (a leaf method: those of its module it was seen to use, leaf_records.py),
+lifted under their original names, so checkpoints, merges and the gradient reducer see them; the plan
+replicates it; generated code calls `nnscaler.runtime.leaf.call`, which runs the module (or method)
+with `torch.func.functional_call` on the generated module's own tensors, so autograd gives its
+parameters their gradients. A LeafModuleWarning names every leaf and why.
 """
 
 from __future__ import annotations
@@ -34,19 +37,16 @@ from nnscaler.errors import ConfigError, TraceError
 from nnscaler.graph.capture.export import is_data_dependent
 from nnscaler.graph.capture.leaf_op import (
     LEAF_OP,
-    CallRecord,
     LeafSession,
     LeafUnsuitable,
-    TensorSlot,
-    describe_io,
     leaf_session,
     split_key,
 )
+from nnscaler.graph.capture.leaf_records import ensure_records, is_meta, real_run, suitable
 from nnscaler.graph.capture.leaf_regions import (
     SIZE_READS,
     failure_chain,
     owner_of,
-    record_methods,
     stack_regions,
     trace_regions,
     value_read_regions,
@@ -100,90 +100,14 @@ def _outermost(paths: Sequence[str]) -> list[str]:
     return [p for p in paths if not any(_inside(p, q) for q in paths if q != p)]
 
 
-def _is_meta(root: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
-    tensors = [*root.parameters(), *root.buffers(), *pytree.tree_leaves(kwargs)]
-    return any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors)
-
-
-def _real_run(root: torch.nn.Module, kwargs: dict[str, Any]) -> None:
-    """One real forward on the dummy inputs: no grad, RNG and buffers restored (it raises what forward raises)."""
-    tensors = [*root.parameters(), *root.buffers(), *pytree.tree_leaves(kwargs)]
-    saved = {n: b.detach().clone() for n, b in root.named_buffers()}
-    cuda = sorted({t.device.index or 0 for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda})
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-            root(**kwargs)
-    finally:
-        with torch.no_grad():
-            for n, b in root.named_buffers():
-                if n in saved:
-                    b.copy_(saved[n])
-
-
-def _record_calls(
-    root: torch.nn.Module, kwargs: dict[str, Any], methods: Sequence[str] = ()
-) -> tuple[dict[str, list[CallRecord]] | None, dict[str, list[str]]]:
-    """Every submodule call of one real forward on the dummy inputs, and every call of the leaf `methods`
-    with the state each method used. None when the weights or inputs are on the meta device, or forward
-    fails eagerly."""
-    if _is_meta(root, kwargs):
-        return None, {}
-    records: dict[str, list[CallRecord]] = {}
-    used: dict[str, list[str]] = {}
-
-    def hook(path: str):
-        def record(module, args, kw, output) -> None:
-            leaves, spec = pytree.tree_flatten(output)
-            slots = tuple(
-                TensorSlot(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves
-            )
-            why = describe_io((args, kw), "its arguments") or describe_io(output, "its output")
-            records.setdefault(path, []).append(CallRecord(spec, slots, why))
-
-        return record
-
-    handles = [m.register_forward_hook(hook(p), with_kwargs=True) for p, m in root.named_modules() if p]
-    try:
-        with record_methods(root, list(methods), records, used):
-            _real_run(root, kwargs)
-    except Exception:  # noqa: BLE001 - no records: output sizes must then follow from input sizes
-        return None, {}
-    finally:
-        for h in handles:
-            h.remove()
-    return records, used
-
-
 def _value_read(
     root: torch.nn.Module, kwargs: dict[str, Any], chosen: Sequence[str]
 ) -> tuple[list[str], str] | None:
     """Where a real run first reads tensor values outside the chosen leaves: (regions, source line)."""
-    if _is_meta(root, kwargs):
+    if is_meta(root, kwargs):
         return None
     skip = lambda regions, _: any(r in chosen or any(_inside(r, q) for q in chosen) for r in regions)  # noqa: E731
-    return value_read_regions(root, lambda: _real_run(root, kwargs), skip)
-
-
-def _ensure_records(
-    root: torch.nn.Module, kwargs: dict[str, Any], session: LeafSession, keys: Sequence[str]
-) -> None:
-    """Real calls recorded for every module and for the leaf methods among `keys`: one real run serves
-    every module leaf found later; a method not yet watched takes one more."""
-    methods = [k for k in keys if split_key(k)[1] is not None]
-    if session.records is None and session.recorded:
-        return  # no real run is possible
-    missing = [k for k in methods if k not in session.used]
-    if session.recorded and not missing:
-        return
-    records, used = _record_calls(root, kwargs, missing)
-    session.recorded = True
-    if records is None:
-        session.records = None
-        return
-    merged = dict(session.records or {})
-    merged.update({k: v for k, v in records.items() if k in missing or k not in merged})
-    session.records = merged
-    session.used.update(used)
+    return value_read_regions(root, lambda: real_run(root, kwargs), skip)
 
 
 def _user_line(exc: BaseException) -> str:
@@ -200,11 +124,6 @@ def _causes(exc: BaseException) -> list[BaseException]:
         out.append(exc)
         exc = exc.__cause__ or exc.__context__
     return out
-
-
-def _suitable(path: str, records: dict[str, list[CallRecord]] | None) -> bool:
-    calls = (records or {}).get(path)
-    return records is None or (bool(calls) and not any(c.unsuitable for c in calls))
 
 
 def _reads_values(program: Any, root: torch.nn.Module) -> tuple[list[str], str] | None:
@@ -270,7 +189,7 @@ def capture_with_leaves(
         paths = _outermost(list(chosen))
         session.leaves = {p: owner_of(root, p) for p in paths}
         if paths:  # one real run serves every module leaf found later (a new leaf method: one more)
-            _ensure_records(root, kwargs, session, paths)
+            ensure_records(root, kwargs, session, paths)
         session.called, session.fixed = set(), set()  # what this attempt's trace does
         held, retry = io.StringIO(), False  # torch prints the partial graph of a failed export to stderr
         try:
@@ -328,8 +247,8 @@ def _choose(
     others its fallbacks; False when none can."""
     around = [p for p in regions if p not in chosen and not any(_inside(p, q) for q in chosen)]
     if around:  # which of them take and return tensors: a real run says
-        _ensure_records(root, kwargs, session, around)
-    candidates = [p for p in around if _suitable(p, session.records)]
+        ensure_records(root, kwargs, session, around)
+    candidates = [p for p in around if suitable(p, session.records)]
     if not candidates:
         return False
     chosen[candidates[0]] = _why(candidates[0], f"has data-dependent control flow at {where}")
@@ -347,7 +266,7 @@ def _choose_size_reads(
     """Before tracing again: every other read of sizes from tensor values (`.tolist()`, `int(t)`) that a
     real run meets outside the leaves would fail the trace (or leave it reading values) too, so its
     region becomes a leaf now, one real run each instead of one failed export each."""
-    if _is_meta(root, kwargs):
+    if is_meta(root, kwargs):
         return
     unplaced: set[str] = set()  # reads with no region around them: the trace decides
 
@@ -355,7 +274,7 @@ def _choose_size_reads(
         return where in unplaced or any(r in chosen or any(_inside(r, q) for q in chosen) for r in regions)
 
     for _ in range(_MAX_RETRIES):
-        read = value_read_regions(root, lambda: _real_run(root, kwargs), skip, SIZE_READS)
+        read = value_read_regions(root, lambda: real_run(root, kwargs), skip, SIZE_READS)
         if read is None:
             return
         if not _choose(root, kwargs, session, chosen, fallbacks, *read):

@@ -6,33 +6,26 @@ runs eagerly as one op (leaf_modules.py). A region is a method of a module of th
 (its key is the submodule's path). The top module's forward is never one: it is the whole model.
 Plain functions (not methods) are skipped: the method that called them is the region.
 
-A leaf method's parameters and buffers are those the method uses: `record_methods` watches one real
-run on the dummy inputs (a torch function mode sees every tensor an op is given) and keeps, for each
-method, its calls (`CallRecord`) and the names of its module's tensors it passed to an op.
+Where a real run reads tensor values (`value_read_regions`) says which regions hold reads that a trace
+would fail on later, so capture makes them leaves before tracing again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
 from nnscaler.graph.capture.leaf_op import (
-    CallRecord,
-    TensorSlot,
-    describe_io,
     method_key,
     split_key,
-    state_of,
 )
 
 __all__ = [
@@ -42,7 +35,6 @@ __all__ = [
     "trace_regions",
     "value_read_regions",
     "failure_chain",
-    "record_methods",
     "method_of",
     "owner_of",
 ]
@@ -250,57 +242,3 @@ def owner_of(root: torch.nn.Module, key: str) -> torch.nn.Module:
     """The module a leaf key runs (a method's: the module that owns it)."""
     path = split_key(key)[0]
     return root.get_submodule(path) if path else root
-
-
-class _Uses(TorchFunctionMode):
-    """Records which of the given tensors an op was given."""
-
-    def __init__(self, names: dict[int, str], seen: set[str]):
-        super().__init__()
-        self.names, self.seen = names, seen
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
-        kwargs = kwargs or {}
-        for leaf in pytree.tree_leaves((args, kwargs)):
-            name = self.names.get(id(leaf))
-            if name is not None:
-                self.seen.add(name)
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def record_methods(
-    root: torch.nn.Module, keys: list[str], records: dict[str, list[CallRecord]], used: dict[str, list[str]]
-) -> Iterator[None]:
-    """Inside (one real run of `root`), each leaf method of `keys` records its calls into `records` and
-    the names of its module's tensors it uses into `used`."""
-    patched = []
-    try:
-        for key in keys:
-            owner, name = owner_of(root, key), split_key(key)[1]
-            had, original = name in owner.__dict__, getattr(owner, name)
-            names = {id(t): n for n, t in state_of(owner)}
-            seen: set[str] = set()
-            used[key] = []
-
-            def watched(*args, _key=key, _original=original, _names=names, _seen=seen, **kwargs):
-                with _Uses(_names, _seen):
-                    out = _original(*args, **kwargs)
-                leaves, spec = pytree.tree_flatten(out)
-                slots = tuple(
-                    TensorSlot(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves
-                )
-                why = describe_io((args, kwargs), "its arguments") or describe_io(out, "its output")
-                records.setdefault(_key, []).append(CallRecord(spec, slots, why))
-                used[_key] = [n for n, _ in state_of(owner_of(root, _key)) if n in _seen]
-                return out
-
-            setattr(owner, name, watched)
-            patched.append((owner, name, had, original))
-        yield
-    finally:
-        for owner, name, had, original in reversed(patched):
-            if had:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
