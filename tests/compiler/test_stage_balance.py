@@ -189,3 +189,15 @@ def test_without_repeated_layers_no_stage_is_left_without_weights():
     for piece in cut_graph(graph, _starts(graph, plan)):
         assert piece.params, f"stage {piece.index} holds no weights"
         assert any(n.op.startswith(_CONTRACTING) for n in piece.graph.nodes), piece.index
+
+
+def test_crossing_bytes_are_what_a_stage_receives(graphs):
+    """op_cost's crossing bytes at a boundary equal the bytes of the activations cut_graph makes the
+    stage starting there receive (the cost the balancer charges is what the pipeline sends)."""
+    for graph in graphs.values():
+        costs = graph_costs(graph)
+        for i in candidate_levels(graph)[0][1][1:]:
+            received = cut_graph(graph, [0, i])[1].received
+            metas = [graph.values[r].meta for r in received]
+            nbytes = sum(m.numel * {"float32": 4, "int64": 8}[m.dtype] for m in metas)
+            assert costs.cross_bytes[i] == nbytes, (graph.nodes[i].module_path, received)
