@@ -150,9 +150,15 @@ _VIEW: dict[str, Maker] = {
     "gather.default": _x3(lambda d, x: [(x, 1, d.i(x.shape[1], x.shape[0], 4, x.shape[2]))]),
     "index_select.default": _x3(lambda d, x: [(x, -1, d.i(x.shape[2], 5))]),
     "diff.default": _x3(lambda d, x: [(x, 1, 1)]),
-    "pad.default": _x3(lambda d, x: [(x, [1, 2], "constant", 0.5)]),
+    "pad.default": _x3(
+        lambda d, x: [
+            (x, [1, 2], "constant", 0.5),
+            (x, [1, 1, 0, 0], "reflect"),
+            (x, [0, 0, 2, 1, 1, 0], "constant", 0.0),
+        ]
+    ),
     "constant_pad_nd.default": _x3(lambda d, x: [(x, [1, 1, 2, 0], 0.0)]),
-    "roll.default": _x3(lambda d, x: [(x, [1], [1])]),
+    "roll.default": _x3(lambda d, x: [(x, [1], [1]), (x, [2, -1], [0, 2]), (x, [3], [])]),
     "flip.default": _x3(lambda d, x: [(x, [0, 2])]),
     "repeat.default": _x3(lambda d, x: [(x, [2, 1, 1])]),
     "repeat_interleave.self_int": _x3(lambda d, x: [(x, 2, 1)]),

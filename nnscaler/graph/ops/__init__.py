@@ -15,6 +15,7 @@ from nnscaler.graph.ops import (  # noqa: F401  (each module registers its famil
     loss,
     moe,
     norm,
+    per_dim,
     products,
     reduce,
     scatter,

@@ -332,12 +332,7 @@ def index(call: OpCall) -> str:
 
 @rule(
     [
-        "aten.index_select.default",
         "aten.diff.default",
-        "aten.pad.default",
-        "aten.constant_pad_nd.default",
-        "aten.roll.default",
-        "aten.flip.default",
         "aten.repeat.default",
         "aten.repeat_interleave.self_int",
         "aten.nonzero.default",
