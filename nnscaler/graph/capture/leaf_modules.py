@@ -49,7 +49,7 @@ from nnscaler.graph.capture.leaf_regions import (
     owner_of,
     stack_regions,
     trace_regions,
-    value_read_regions,
+    value_reads,
 )
 from nnscaler.graph.ir import Graph, Node
 
@@ -100,14 +100,13 @@ def _outermost(paths: Sequence[str]) -> list[str]:
     return [p for p in paths if not any(_inside(p, q) for q in paths if q != p)]
 
 
-def _value_read(
-    root: torch.nn.Module, kwargs: dict[str, Any], chosen: Sequence[str]
-) -> tuple[list[str], str] | None:
-    """Where a real run first reads tensor values outside the chosen leaves: (regions, source line)."""
-    if is_meta(root, kwargs):
-        return None
-    skip = lambda regions, _: any(r in chosen or any(_inside(r, q) for q in chosen) for r in regions)  # noqa: E731
-    return value_read_regions(root, lambda: real_run(root, kwargs), skip)
+def _reads(root: torch.nn.Module, kwargs: dict[str, Any]) -> list[tuple[list[str], str, str]]:
+    """Every read of tensor values in a real run: (regions, source line, read); none on the meta device."""
+    return [] if is_meta(root, kwargs) else value_reads(root, lambda: real_run(root, kwargs))
+
+
+def _outside(regions: list[str], chosen: Sequence[str]) -> bool:
+    return not any(r in chosen or any(_inside(r, q) for q in chosen) for r in regions)
 
 
 def _user_line(exc: BaseException) -> str:
@@ -198,7 +197,11 @@ def capture_with_leaves(
                 with leaf_session(session), contextlib.redirect_stderr(held):
                     result = trace(_checked(export, root))
             except _ReadsValues as exc:
-                found = _value_read(root, kwargs, list(chosen)) or exc.found  # a real run shows the method
+                # a real run shows the method around the first read outside the leaves (sizes first:
+                # a truth test may be a value check, which traces)
+                reads = [r for r in _reads(root, kwargs) if r[0] and _outside(r[0], list(chosen))]
+                reads.sort(key=lambda r: r[2] not in SIZE_READS)
+                found = reads[0][:2] if reads else exc.found
                 if not auto:
                     raise TraceError(_reads_values_message(found[1], "auto_leaf_modules is False")) from None
             except TraceError as exc:
@@ -265,20 +268,14 @@ def _choose_size_reads(
 ) -> None:
     """Before tracing again: every other read of sizes from tensor values (`.tolist()`, `int(t)`) that a
     real run meets outside the leaves would fail the trace (or leave it reading values) too, so its
-    region becomes a leaf now, one real run each instead of one failed export each."""
-    if is_meta(root, kwargs):
-        return
-    unplaced: set[str] = set()  # reads with no region around them: the trace decides
-
-    def skip(regions: list[str], where: str) -> bool:
-        return where in unplaced or any(r in chosen or any(_inside(r, q) for q in chosen) for r in regions)
-
-    for _ in range(_MAX_RETRIES):
-        read = value_read_regions(root, lambda: real_run(root, kwargs), skip, SIZE_READS)
-        if read is None:
-            return
-        if not _choose(root, kwargs, session, chosen, fallbacks, *read):
-            unplaced.add(read[1])
+    region becomes a leaf now (two real runs, instead of one failed export per read). Truth tests
+    (`if x.max() >= n: raise`) are left to the trace: they may be value checks (value_checks.py)."""
+    reads = [(regions, where) for regions, where, read in _reads(root, kwargs) if read in SIZE_READS]
+    candidates = {r for regions, _ in reads if _outside(regions, list(chosen)) for r in regions}
+    ensure_records(root, kwargs, session, sorted(candidates))  # one real run for all their methods
+    for regions, where in reads:
+        if _outside(regions, list(chosen)):
+            _choose(root, kwargs, session, chosen, fallbacks, regions, where)
 
 
 def _why(key: str, why: str) -> str:
@@ -322,7 +319,12 @@ def _warn(root: torch.nn.Module, session: LeafSession, leaves: dict[str, str]) -
             else ""
         )
         weights = f"{len(params)} parameters ({numel} elements)"
-        weights = f"its {weights}" if split_key(path)[1] is None else f"the {weights} it uses"
+        if split_key(path)[1] is None:
+            weights = f"its {weights}"
+        elif path in session.used:
+            weights = f"the {weights} it uses"
+        else:  # no real run (meta weights or inputs) to see which it uses
+            weights = f"all {weights} of its module (no real run on the dummy inputs showed which it uses)"
         warnings.warn(
             f"{session.describe(path)} runs as one opaque op: {why}. Generated code runs it eagerly "
             f"(PyTorch autograd) on every device of the plan, so its computation and {weights} are "

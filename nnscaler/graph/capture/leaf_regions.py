@@ -6,7 +6,7 @@ runs eagerly as one op (leaf_modules.py). A region is a method of a module of th
 (its key is the submodule's path). The top module's forward is never one: it is the whole model.
 Plain functions (not methods) are skipped: the method that called them is the region.
 
-Where a real run reads tensor values (`value_read_regions`) says which regions hold reads that a trace
+Where a real run reads tensor values (`value_reads`) says which regions hold reads that a trace
 would fail on later, so capture makes them leaves before tracing again.
 """
 
@@ -33,7 +33,7 @@ __all__ = [
     "SIZE_READS",
     "stack_regions",
     "trace_regions",
-    "value_read_regions",
+    "value_reads",
     "failure_chain",
     "method_of",
     "owner_of",
@@ -139,21 +139,19 @@ SIZE_READS = frozenset({"tolist", "__int__", "__index__", "nonzero", "masked_sel
 check that traces, graph/capture/value_checks.py)."""
 
 
-class _ValueRead(Exception):
-    """Raised at the first read of a tensor's values outside the skipped regions (its traceback says where)."""
-
-
 class _WatchReads(TorchFunctionMode):
-    def __init__(self, root: torch.nn.Module, reads: frozenset[str], skip: Callable[[list[str], str], bool]):
+    """Notes every read of tensor values (`reads`) with the regions around it and its source line."""
+
+    def __init__(self, root: torch.nn.Module, reads: frozenset[str]):
         super().__init__()
-        self.root, self.reads, self.skip = root, reads, skip
+        self.root, self.reads = root, reads
+        self.seen: list[tuple[list[str], str, str]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
-        if getattr(func, "__name__", "") in self.reads:
+        name = getattr(func, "__name__", "")
+        if name in self.reads:
             frames = _caller_frames()
-            where = _user_line(frames)
-            if not self.skip(_regions_of(frames, self.root), where):
-                raise _ValueRead(where)
+            self.seen.append((_regions_of(frames, self.root), _user_line(frames), name))
         return func(*args, **(kwargs or {}))
 
 
@@ -173,31 +171,17 @@ def _user_line(frames: list[FrameType]) -> str:
     return "an unknown line"
 
 
-def value_read_regions(
-    root: torch.nn.Module,
-    run: Callable[[], Any],
-    skip: Callable[[list[str], str], bool],
-    reads: frozenset[str] = VALUE_READS,
-) -> tuple[list[str], str] | None:
-    """`run()` (a real forward) stopped at the first read of a tensor's values (`reads`: `.tolist()`,
-    `.item()`, ...) that `skip(regions innermost first, source line)` does not accept: those regions
-    and the line. None when it reads none (or fails otherwise)."""
-    stack: list[list[str]] = []
-
-    def keep(regions: list[str], where: str) -> bool:
-        if skip(regions, where):
-            return True
-        stack.append(regions)
-        return False
-
+def value_reads(root: torch.nn.Module, run: Callable[[], Any]) -> list[tuple[list[str], str, str]]:
+    """Every read of tensor values (`VALUE_READS`) in `run()` (a real forward), in order: the regions
+    around it (innermost first), its source line and the read (`tolist`, `__bool__`...). Empty when
+    `run()` fails."""
+    watch = _WatchReads(root, VALUE_READS)
     try:
-        with _WatchReads(root, reads, keep):
+        with watch:
             run()
-    except _ValueRead as exc:
-        return (stack[-1], str(exc)) if stack else None
     except Exception:  # noqa: BLE001 - the model fails eagerly: nothing to say here
-        return None
-    return None
+        return []
+    return watch.seen
 
 
 def failure_chain(exc: BaseException) -> list[BaseException]:
