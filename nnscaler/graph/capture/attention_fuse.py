@@ -79,13 +79,21 @@ class _Emitter:
         return (self.values.get(name) or self.graph.values[name]).meta
 
     def emit(
-        self, op: str, args: tuple, kwargs: dict, sizes: list, dtype: str, name: str | None = None
+        self,
+        op: str,
+        args: tuple,
+        kwargs: dict,
+        sizes: list,
+        dtype: str,
+        name: str | None = None,
+        role: str = "mask",
     ) -> str:
+        """Append `op(*args, **kwargs)`; its output is `name`, or `<attention>_<role>` (numbered)."""
         if name is None:
-            name, k = f"{self.base}_{op.split('.')[1]}", 0
+            name, k = f"{self.base}_{role}", 0
             while name in self.taken:
                 k += 1
-                name = f"{self.base}_{op.split('.')[1]}_{k}"
+                name = f"{self.base}_{role}_{k}"
         self.taken.add(name)
         grad = any(self.meta(r.name).requires_grad for r in args if isinstance(r, Ref))
         meta = TensorMeta(tuple(_hint(s) for s in sizes), dtype, grad, _sym(sizes))
@@ -100,15 +108,21 @@ class _Emitter:
         meta = self.meta(name)
         return [_size(meta, d) for d in range(len(meta.shape))]
 
-    def reshape(self, name: str, sizes: list) -> str:
-        return self.emit("aten.reshape.default", (Ref(name), list(sizes)), {}, sizes, self.meta(name).dtype)
+    def reshape(self, name: str, sizes: list, role: str) -> str:
+        dtype = self.meta(name).dtype
+        return self.emit("aten.reshape.default", (Ref(name), list(sizes)), {}, sizes, dtype, role=role)
 
     def transpose(self, name: str) -> str:
         sizes = self.sizes(name)
         rank = len(sizes)
         sizes[-2], sizes[-1] = sizes[-1], sizes[-2]
         return self.emit(
-            "aten.transpose.int", (Ref(name), rank - 2, rank - 1), {}, sizes, self.meta(name).dtype
+            "aten.transpose.int",
+            (Ref(name), rank - 2, rank - 1),
+            {},
+            sizes,
+            self.meta(name).dtype,
+            role="key",
         )
 
     def broadcast(self, op: str, args: tuple, a: str, b: str, dtype: str) -> str:
@@ -154,8 +168,8 @@ def _operands(em: _Emitter, graph: Graph, producer: dict[str, Node], m: Attentio
             q, k, v = (
                 s
                 if s is not None and graph.values[s].meta.shape[:2] == tuple(map(_hint, lead))
-                else em.reshape(x, lead + em.sizes(x)[1:])
-                for s, x in zip(sources, (q, k, v))
+                else em.reshape(x, lead + em.sizes(x)[1:], role)
+                for s, x, role in zip(sources, (q, k, v), ("query", "key", "value"))
             )
     if m.k_transposed:
         k = _transposed_from(producer, graph, k) or em.transpose(k)
@@ -170,7 +184,7 @@ def _to_rank(em: _Emitter, name: str, step_shape: tuple[int, ...], lead) -> str:
     shape = em.meta(name).shape
     if lead is None or len(step_shape) != 3 or len(shape) != 3 or shape[0] == 1:
         return name
-    return em.reshape(name, lead + em.sizes(name)[1:])
+    return em.reshape(name, lead + em.sizes(name)[1:], "bias")
 
 
 def _mask(em: _Emitter, m: AttentionMatch, lead, dtype: str) -> tuple[str | None, float] | None:
