@@ -93,22 +93,7 @@ def compile_module(
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     graph_file = outdir / "graph.json"
-    if graph is not None:
-        if not graph_file.exists():
-            write_atomic(graph_file, graph_to_json(graph))
-    elif reuse_graph and graph_file.exists():
-        graph = graph_from_json(graph_file.read_text())
-    else:
-        graph = capture(
-            module,
-            dummy_forward_args,
-            constant_folding=cfg.constant_folding,  # sizes the code computes with become constants
-            leaf_modules=list(policy.leaf_modules),  # submodules run eagerly as one op
-            auto_leaf_modules=policy.auto_leaf_modules,
-            trace_time_budget_s=cfg.trace_time_budget_s,  # past it: sizes fixed, with a warning
-        )
-        write_atomic(graph_file, graph_to_json(graph))
-        _save_constants(outdir, graph)
+    graph = _graph_for(module, dummy_forward_args, policy, cfg, graph_file, reuse_graph, graph)
     check_unannotated(graph)
     seconds["capture"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -153,6 +138,35 @@ def compile_module(
         _log.info("%s", unsplit_summary(unsplit))
     _log.info("generated code: %s", outdir / f"gencode{{0..{cfg.runtime_ngpus - 1}}}.py")
     return CompileResult(outdir, graph, seconds, unsplit, whole)
+
+
+def _graph_for(
+    module: torch.nn.Module,
+    dummy_forward_args: dict,
+    policy: ResolvedPolicy,
+    cfg: ComputeConfig,
+    graph_file: Path,
+    reuse_graph: bool,
+    graph: Graph | None,
+) -> Graph:
+    """The graph given, the one saved in `graph_file` (reuse_graph), or a new trace (then saved)."""
+    if graph is not None:
+        if not graph_file.exists():
+            write_atomic(graph_file, graph_to_json(graph))
+        return graph
+    if reuse_graph and graph_file.exists():
+        return graph_from_json(graph_file.read_text())
+    graph = capture(
+        module,
+        dummy_forward_args,
+        constant_folding=cfg.constant_folding,  # sizes the code computes with become constants
+        leaf_modules=list(policy.leaf_modules),  # submodules run eagerly as one op
+        auto_leaf_modules=policy.auto_leaf_modules,
+        trace_time_budget_s=cfg.trace_time_budget_s,  # past it: sizes fixed, with a warning
+    )
+    write_atomic(graph_file, graph_to_json(graph))
+    _save_constants(graph_file.parent, graph)
+    return graph
 
 
 def _write_plan_report(

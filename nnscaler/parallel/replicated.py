@@ -219,22 +219,7 @@ def replicated_share(graph: Graph, plan, program, cfg=None) -> ReplicatedShare:
                 held_whole[index] += nb
                 add(param_cause(graph, plan, consumers, t.name, causes), t.original_name, params=1, nbytes=nb)
     pbytes, fsum = sum(held_total.values()), sum(flops_total.values())
-    reasons = [
-        WholeReason(
-            w.kind,
-            w.text,
-            g["bytes"] / (pbytes or 1),
-            g["flops"] / (fsum or 1),
-            g["ops"],
-            g["params"],
-            g["ex"],
-            w.named,
-            g["saved"] * 1e3,
-            g["comm"] * 1e3,
-        )  # fmt: skip
-        for w, g in groups.items()
-    ]
-    reasons.sort(key=lambda r: (-(r.param_share + r.flops_share), r.text))
+    reasons = _reasons(groups, pbytes, fsum)
     pp = plan.pipeline.pp_size if plan.pipeline else 1
     nstages = max(stage_of.values(), default=0) + 1
     per_stage = tuple(
@@ -258,3 +243,24 @@ def replicated_share(graph: Graph, plan, program, cfg=None) -> ReplicatedShare:
         per_stage,
         tuple(reasons),
     )
+
+
+def _reasons(groups: dict[Why, dict], pbytes: int, fsum: float) -> list[WholeReason]:
+    """One WholeReason per cause, the largest share of parameters and FLOPs first."""
+    reasons = [
+        WholeReason(
+            w.kind,
+            w.text,
+            g["bytes"] / (pbytes or 1),
+            g["flops"] / (fsum or 1),
+            g["ops"],
+            g["params"],
+            g["ex"],
+            w.named,
+            g["saved"] * 1e3,
+            g["comm"] * 1e3,
+        )  # fmt: skip
+        for w, g in groups.items()
+    ]
+    reasons.sort(key=lambda r: (-(r.param_share + r.flops_share), r.text))
+    return reasons

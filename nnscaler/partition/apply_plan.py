@@ -30,6 +30,7 @@ from nnscaler.graph.ops.moe import EXPERT_PARALLEL
 from nnscaler.partition.context_parallel import context_parallel_statement
 from nnscaler.partition.convert import GROUP, AxisGroup, conversion_steps
 from nnscaler.partition.expert_parallel import expert_parallel_statement
+from nnscaler.partition.forced_layouts import check_forced_layouts
 from nnscaler.partition.local_ops import group_of, localise_dim, vocab_parallel_statement
 from nnscaler.partition.program import LocalTensor, Program, Statement
 from nnscaler.partition.weight_grads import fold_weight_syncs
@@ -79,7 +80,7 @@ class _Partitioner:
         self.mesh: tuple[int, ...] = plan.mesh or (self.ways,)
         if math.prod(self.mesh) != self.ways:
             raise PartitionError(f"plan mesh {plan.mesh} does not have {self.ways} devices")
-        self.forced = _check_forced(graph, forced or {}, self.ways)
+        self.forced = check_forced_layouts(graph, forced or {}, self.ways)
         self.program = Program(
             ways=self.ways, mesh=plan.mesh, forward_args=list(graph.forward_args), out_spec=graph.out_spec
         )
@@ -455,33 +456,6 @@ class _Partitioner:
 
 def _tensor_refs(node: Node, graph: Graph) -> list[Ref]:
     return [r for r in iter_refs((node.args, node.kwargs)) if graph.values[r.name].meta is not None]
-
-
-def _check_forced(graph: Graph, forced: dict[str, Layout], ways: int) -> dict[str, Layout]:
-    """Forced storage layouts must name parameters/buffers of the graph and split them evenly."""
-    for name, layout in forced.items():
-        value = graph.values.get(name)
-        if value is None or value.kind not in ("param", "buffer"):
-            raise PartitionError(
-                f"forced_layouts names {name!r}, which is not a parameter or buffer of the graph"
-            )
-        if isinstance(layout, Partial):
-            raise PartitionError(
-                f"forced_layouts[{name!r}] is Partial: a stored tensor must be Replicate or Shard"
-            )
-        if isinstance(layout, Shard) and not -len(value.meta.shape) <= layout.dim < len(value.meta.shape):
-            raise PartitionError(
-                f"forced_layouts[{name!r}] = {layout}: {name} has {len(value.meta.shape)} dims "
-                f"(shape {tuple(value.meta.shape)}); choose one of them or Replicate()"
-            )
-        if isinstance(layout, Shard) and ways > 1:
-            size = value.meta.shape[layout.dim]
-            if size % (ways * layout.blocks):
-                raise PartitionError(
-                    f"forced_layouts[{name!r}] = {layout}: dim {layout.dim} of size {size} does not split into "
-                    f"{ways} x {layout.blocks} equal pieces; choose another dim or Replicate()"
-                )
-    return dict(forced)
 
 
 def apply_plan(
