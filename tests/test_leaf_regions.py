@@ -131,6 +131,39 @@ def test_the_decorated_method_itself_is_the_region_with_the_weights_it_uses():
     assert node.module_path == "inner"
 
 
+class CheckedHead(nn.Module):
+    """A value check that only raises (traced as a run-time check, graph/capture/value_checks.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(3, 4)
+
+    def forward(self, h, labels):
+        if labels.max() >= 4:
+            raise ValueError("labels must be < 4")
+        return nn.functional.cross_entropy(self.out(h), labels)
+
+
+class PooledClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Segments()
+        self.head = CheckedHead()
+
+    def forward(self, x, sizes, labels):
+        return self.head(self.inner(x, sizes), labels)
+
+
+def test_a_value_check_beside_a_size_read_stays_a_check():
+    """The real run that places size reads before tracing again leaves truth tests to the trace."""
+    inputs = {"x": torch.randn(5, 3), "sizes": torch.tensor([2, 3]), "labels": torch.tensor([1, 3])}
+    with pytest.warns(LeafModuleWarning) as caught:
+        graph = capture(PooledClassifier(), inputs, both_modes=False)
+    leaves = [n.kwargs["leaf"] for n in graph.nodes if n.op == "nnscaler_leaf.call.default"]
+    assert leaves == ["inner.pooled()"], [str(w.message) for w in caught]
+    assert any(n.op == "nnscaler_check.value_check.default" for n in graph.nodes)
+
+
 def test_the_vlm_trains_like_one_device_under_every_policy(tmp_path):
     cases = [
         ParityCase(VLM, "dp", 1, optimizer="sgd"),
