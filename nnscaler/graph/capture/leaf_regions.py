@@ -145,13 +145,16 @@ class _WatchReads(TorchFunctionMode):
     def __init__(self, root: torch.nn.Module, reads: frozenset[str]):
         super().__init__()
         self.root, self.reads = root, reads
+        self.paths = {id(m): p for p, m in root.named_modules()}
+        self.known: dict[tuple[int, CodeType], str | None] = {}
         self.seen: list[tuple[list[str], str, str]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
         name = getattr(func, "__name__", "")
         if name in self.reads:
             frames = _caller_frames()
-            self.seen.append((_regions_of(frames, self.root), _user_line(frames), name))
+            regions = _regions_of(frames, self.root, self.paths, self.known)
+            self.seen.append((regions, _user_line(frames), name))
         return func(*args, **(kwargs or {}))
 
 
@@ -206,17 +209,28 @@ _DATA_DEPENDENT = (
 )
 
 
-def _regions_of(frames: list[FrameType], root: torch.nn.Module) -> list[str]:
-    paths = {id(m): p for p, m in root.named_modules()}
+def _regions_of(
+    frames: list[FrameType],
+    root: torch.nn.Module,
+    paths: dict[int, str] | None = None,
+    known: dict[tuple[int, CodeType], str | None] | None = None,
+) -> list[str]:
+    """The regions of `frames` (outermost first), innermost first. `paths` (id of a module -> its path)
+    and `known` ((module id, code) -> region) save work when called for many stacks of one model."""
+    paths = paths if paths is not None else {id(m): p for p, m in root.named_modules()}
+    known = known if known is not None else {}
     found: list[str] = []
     for frame in frames:
-        if any(s in frame.f_code.co_filename for s in _SKIP):
+        if any(s in frame.f_code.co_filename for s in _SKIP) or "self" not in frame.f_code.co_varnames:
             continue
         module = frame.f_locals.get("self")
         path = paths.get(id(module))
         if path is None:
             continue
-        key = _region(path, module, frame.f_code)
+        cache = (id(module), frame.f_code)
+        if cache not in known:
+            known[cache] = _region(path, module, frame.f_code)
+        key = known[cache]
         if key is not None and key not in found:
             found.append(key)
     return found[::-1]
