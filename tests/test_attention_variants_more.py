@@ -68,10 +68,12 @@ def test_learned_bias_read_whole_by_a_split(tmp_path):
 
 def test_causal_mask_written_by_hand(tmp_path):
     """`masked_fill(~tril(ones), -inf)` alone becomes is_causal=True: zigzag balances the causal work."""
-    model = "tests.zoo_attention_variants:build_causal_matmul"
-    cases = [ParityCase(model, "tp", 2, optimizer="sgd")]
-    cases += [
-        ParityCase(model, "tp", 2, {"pas_config": {"cp_size": 2, "cp_kind": kind}}, optimizer="sgd")
-        for kind in ("zigzag", "ulysses")
-    ]
+    cases = []
+    for name in ("causal_matmul", "einsum_bshd"):  # the second: einsum over (b, s, h, d) operands
+        model = f"tests.zoo_attention_variants:build_{name}"
+        cases.append(ParityCase(model, "tp", 2, optimizer="sgd"))
+        cases += [
+            ParityCase(model, "tp", 2, {"pas_config": {"cp_size": 2, "cp_kind": kind}}, optimizer="sgd")
+            for kind in ("zigzag", "ulysses")
+        ]
     run_parity_many(cases, 2, tmp_path=tmp_path, timeout=280)

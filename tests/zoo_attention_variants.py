@@ -221,7 +221,8 @@ build_hf_llama_eager = _hf_eager(
 class SharedBiasAttention(nn.Module):
     """matmul attention plus a learned bias read whole by a split: `shared` (s, s), the same for every
     head (whole under tp), or `per_key` (heads, 1, s), one row for every query (whole under cp); or,
-    `causal`, no bias and a causal mask by `masked_fill(~tril, -inf)`."""
+    `causal`, no bias and a causal mask by `masked_fill(~tril, -inf)`; or `bshd`, that with einsum over
+    (b, s, h, d) tensors ('bqhd,bkhd->bhqk', 'bhqk,bkhd->bqhd')."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -233,6 +234,12 @@ class SharedBiasAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
+        if self.kind == "bshd":  # einsum straight over (b, s, h, d) tensors; causal by tril
+            q, k, v = self.qkv(x).view(b, s, 3, HEADS, WIDTH // HEADS).unbind(2)
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * (WIDTH // HEADS) ** -0.5
+            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+            return self.o(torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, WIDTH))
         q, k, v = self.qkv(x).view(b, s, 3, HEADS, WIDTH // HEADS).permute(2, 0, 3, 1, 4)
         scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(WIDTH // HEADS)
         if self.kind == "causal":  # no bias: the mask alone, which capture makes is_causal=True
@@ -271,3 +278,8 @@ def build_per_key_bias(seed: int = 0):
 def build_causal_matmul(seed: int = 0):
     torch.manual_seed(seed)
     return _BiasDecoder("causal").train(), _tokens
+
+
+def build_einsum_bshd(seed: int = 0):
+    torch.manual_seed(seed)
+    return _BiasDecoder("bshd").train(), _tokens

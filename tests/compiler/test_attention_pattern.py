@@ -204,3 +204,15 @@ def test_transformers_eager_attention_fuses(family):
     graph = capture(_eager(family), {"input_ids": ids, "labels": ids.clone()}, both_modes=False)
     assert _ops(graph).count(SDPA) == 2
     assert "aten.softmax.int" not in _ops(graph) and "aten._softmax.default" not in _ops(graph)
+
+
+def test_einsum_over_bshd_operands_is_permuted():
+    model, make_batch = variants.build_einsum_bshd()
+    graph = capture(model, make_batch(0, 2))
+    verify(graph)
+    (node,) = [n for n in graph.nodes if n.op == SDPA]
+    assert node.kwargs["is_causal"] is True and "aten.einsum.default" not in _ops(graph)
+    q = graph.values[node.input_names()[0]].meta.shape
+    assert q == (2, variants.HEADS, variants.SEQ, variants.WIDTH // variants.HEADS)
+    (out,) = [n for n in graph.nodes if node.outputs[0] in n.input_names()]
+    assert out.op == "aten.permute.default" and list(out.args[1]) == [0, 2, 1, 3]  # back to (b, s, h, d)

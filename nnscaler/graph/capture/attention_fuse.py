@@ -125,6 +125,13 @@ class _Emitter:
             role="key",
         )
 
+    def permute(self, name: str, dims: tuple[int, ...], role: str, out: str | None = None) -> str:
+        sizes = [self.sizes(name)[d] for d in dims]
+        dtype = self.meta(name).dtype
+        return self.emit(
+            "aten.permute.default", (Ref(name), list(dims)), {}, sizes, dtype, name=out, role=role
+        )
+
     def broadcast(self, op: str, args: tuple, a: str, b: str, dtype: str) -> str:
         sa, sb = self.sizes(a), self.sizes(b)
         n = max(len(sa), len(sb))
@@ -158,7 +165,10 @@ def _transposed_from(producer: dict[str, Node], graph: Graph, name: str) -> str 
 def _operands(em: _Emitter, graph: Graph, producer: dict[str, Node], m: AttentionMatch):
     """(q, k, v) as (..., s, d), (..., t, d), (..., t, e) with one leading shape, and (batch, heads)
     sizes when 3-D operands were lifted to 4-D (None: kept as they are)."""
-    q, k, v = m.q, m.k, m.v
+    q, k, v = (
+        em.permute(x, dims, role) if dims else x
+        for x, dims, role in ((m.q, m.q_perm, "query"), (m.k, m.k_perm, "key"), (m.v, m.v_perm, "value"))
+    )
     lead = None
     if len(em.meta(q).shape) == 3:
         sources = [_source_4d(graph, producer, x) for x in (q, k, v)]
@@ -187,7 +197,9 @@ def _to_rank(em: _Emitter, name: str, step_shape: tuple[int, ...], lead) -> str:
     return em.reshape(name, lead + em.sizes(name)[1:], "bias")
 
 
-def _mask(em: _Emitter, m: AttentionMatch, lead, dtype: str) -> tuple[str | None, float] | None:
+def _mask(
+    em: _Emitter, m: AttentionMatch, lead, dtype: str, qk: tuple[str, str]
+) -> tuple[str | None, float] | None:
     """(attn_mask, scale): the steps applied to a bias instead of the scores."""
     acc, scale, keep, hide = None, m.scale, [], []
     for step in m.steps:
@@ -219,7 +231,11 @@ def _mask(em: _Emitter, m: AttentionMatch, lead, dtype: str) -> tuple[str | None
             acc = em.broadcast("aten.where.ScalarOther", (Ref(ref), Ref(acc), step.value), ref, acc, dtype)
     if acc is None and not keep and not hide:
         return None, scale
-    if acc is None and len(keep + hide) == 1 and _causal(em, m, (keep + hide)[0], "keep" if keep else "hide"):
+    if (
+        acc is None
+        and len(keep + hide) == 1
+        and _causal(em, qk, (keep + hide)[0], "keep" if keep else "hide")
+    ):
         return CAUSAL, scale
     if acc is None:  # only -inf masks: one boolean mask, True = attend
         allowed = [em.emit("aten.logical_not.default", (Ref(h),), {}, em.sizes(h), "bool") for h in hide]
@@ -235,10 +251,10 @@ def _mask(em: _Emitter, m: AttentionMatch, lead, dtype: str) -> tuple[str | None
     return acc, scale
 
 
-def _causal(em: _Emitter, m: AttentionMatch, mask: str, kind: str) -> bool:
+def _causal(em: _Emitter, qk: tuple[str, str], mask: str, kind: str) -> bool:
     """Whether `mask` (True = `kind`) is the causal mask of this attention's sequence (no other mask)."""
-    q, k = em.meta(m.q), em.meta(m.k)
-    size, other = _size(q, -2), _size(k, -1 if m.k_transposed else -2)
+    q, k = (em.meta(x) for x in qk)
+    size, other = _size(q, -2), _size(k, -2)
     same = (
         size.code == other.code if isinstance(size, SymExpr) and isinstance(other, SymExpr) else size == other
     )
@@ -258,7 +274,7 @@ def _rewrite(graph: Graph, m: AttentionMatch, taken: set[str], base: str):
     dtype = em.meta(q).dtype
     if {graph.values[x.outputs[0]].meta.dtype for x in (m.score, m.product)} != {dtype}:
         return None
-    mask = _mask(em, m, lead, dtype)
+    mask = _mask(em, m, lead, dtype, (q, k))
     if mask is None:
         return None
     attn_mask, scale = mask
@@ -279,11 +295,14 @@ def _rewrite(graph: Graph, m: AttentionMatch, taken: set[str], base: str):
     sizes = em.sizes(q)[:-1] + em.sizes(v)[-1:]
     for n in replaced:
         taken.discard(n.outputs[0])
-    name = target if target in outputs else base
+    name = target if target in outputs and not m.out_perm else base
     result = em.emit(SDPA, args, kwargs, sizes, dtype, name=name)
     renamed = {target: result} if result != target else {}
     if lead is not None and target == out:
         em.emit("aten.reshape.default", (Ref(result), em.sizes(out)), {}, em.sizes(out), dtype, name=out)
+        renamed = {}
+    elif m.out_perm:  # einsum output in another order than (..., s, e)
+        em.permute(result, m.out_perm, "output", out=out)
         renamed = {}
     return em.nodes, em.values, replaced, renamed
 

@@ -12,6 +12,9 @@ the next (the scores and probabilities are not used elsewhere):
     probs  = dropout(probs, p)                      (p == 0, or the trace's mode is eval)
     out    = bmm(probs, v) | matmul(probs, v) | einsum(probs, v)
 
+einsum operands may hold their dims in any order ('bqhd,bkhd->bhqk', 'bhqk,bkhd->bqhd'): the rewrite
+permutes them (and the output back); the scores' query and key dims must come last.
+
 with views that only regroup the leading (batch, head) dims and casts to the same dtype anywhere in
 between. Dropout with p > 0 in training is not matched (fusing would draw other random numbers).
 """
@@ -72,6 +75,12 @@ class AttentionMatch:
     v: str
     scale: float
     steps: list[BiasStep] = field(default_factory=list)
+    q_perm: tuple[int, ...] | None = None
+    """einsum operands in another order: the permute() dims that make q (..., s, d), k (..., t, d),
+    v (..., t, e), and the output (..., s, e) what the einsum returns."""
+    k_perm: tuple[int, ...] | None = None
+    v_perm: tuple[int, ...] | None = None
+    out_perm: tuple[int, ...] | None = None
 
 
 def _ref(arg: object) -> str | None:
@@ -200,12 +209,12 @@ class _Finder:
 
     def scores(self, node: Node, chain: list[Node], steps: list[BiasStep]) -> AttentionMatch | None:
         out = self.shape(node.outputs[0])
-        scale = 1.0
+        scale, q_perm, k_perm = 1.0, None, None
         if node.op == "aten.einsum.default":
             operands = _einsum_scores(node)
             if operands is None:
                 return None
-            q, k, transposed = operands
+            q, k, transposed, q_perm, k_perm = operands
         elif node.op == "aten.baddbmm.default":
             bias, q, k = (_ref(x) for x in node.args[:3])
             beta, alpha = (_number(node.kwargs.get(n, 1)) for n in ("beta", "alpha"))
@@ -220,45 +229,66 @@ class _Finder:
             transposed = True
         if q is None or k is None or len(self.shape(q)) != len(out) or len(self.shape(k)) != len(out):
             return None
-        return AttentionMatch(node, chain[0], chain[::-1], q, k, transposed, "", scale, steps)
+        return AttentionMatch(node, chain[0], chain[::-1], q, k, transposed, "", scale, steps, q_perm, k_perm)
 
 
-def _einsum_scores(node: Node) -> tuple[str, str, bool] | None:
-    """(q, k, k given as k^T) of einsum('..sd,..td->..st') or ('..sd,..dt->..st')."""
+def _equation(node: Node) -> tuple[str, str, str, list] | None:
+    """(first operand's letters, second's, output's, operands) of a two-operand einsum, no `...`."""
     eq, operands = node.args[0], node.args[1]
     if not isinstance(eq, str) or len(operands) != 2 or "." in eq:
         return None
     ins, _, out = eq.replace(" ", "").partition("->")
     a, _, b = ins.partition(",")
-    if len(out) not in (3, 4) or len(a) != len(out) or len(b) != len(out) or len(set(out)) != len(out):
+    if len(out) not in (3, 4) or not len(a) == len(b) == len(out) or len(set(out)) != len(out):
         return None
+    return a, b, out, operands
+
+
+def _perm(have: str, want: str) -> tuple[int, ...] | None:
+    """The permute() dims that bring letters `have` into the order `want` (None: already so)."""
+    if sorted(have) != sorted(want) or len(set(have)) != len(have):
+        raise ValueError
+    dims = tuple(have.index(x) for x in want)
+    return None if dims == tuple(range(len(dims))) else dims
+
+
+def _einsum_scores(node: Node) -> tuple[str, str, bool, tuple | None, tuple | None] | None:
+    """(q, k, k given as k^T, q's permute, k's permute) of einsum scores '..s..d, ..t..d -> ..st'
+    (the operands' letters in any order; the output's query and key letters last)."""
+    eq = _equation(node)
+    if eq is None:
+        return None
+    a, b, out, operands = eq
     lead, s, t = out[:-2], out[-2], out[-1]
-    c = a[-1]
-    if c in out or a != lead + s + c:
+    contracted = set(a) - set(out)
+    if len(contracted) != 1 or set(b) - set(out) != contracted:
         return None
-    if b == lead + t + c:
-        return _ref(operands[0]), _ref(operands[1]), False
-    if b == lead + c + t:
-        return _ref(operands[0]), _ref(operands[1]), True
-    return None
+    c = contracted.pop()
+    try:
+        q_perm = _perm(a, lead + s + c)
+        if b == lead + c + t:
+            return _ref(operands[0]), _ref(operands[1]), True, q_perm, None
+        return _ref(operands[0]), _ref(operands[1]), False, q_perm, _perm(b, lead + t + c)
+    except ValueError:
+        return None
 
 
-def _einsum_values(node: Node) -> str | None:
-    """v of einsum('..st,..te->..se') when the probabilities are its first operand."""
-    eq, operands = node.args[0], node.args[1]
-    if not isinstance(eq, str) or len(operands) != 2 or "." in eq:
+def _einsum_values(node: Node) -> tuple[str | None, tuple | None, tuple | None] | None:
+    """(v, v's permute, the output's permute from (..., s, e)) of einsum '..st, ..t..e -> ..s..e' when the
+    probabilities (in their own order, key letter last) are the first operand."""
+    eq = _equation(node)
+    if eq is None:
         return None
-    ins, _, out = eq.replace(" ", "").partition("->")
-    a, _, b = ins.partition(",")
-    if (
-        len(out) not in (3, 4)
-        or len(a) != len(out)
-        or len(b) != len(out)
-        or len(set(a + out[-1])) != len(out) + 1
-    ):
+    a, b, out, operands = eq
+    lead, s, t = a[:-2], a[-2], a[-1]
+    extra = set(b) - set(a)
+    if len(extra) != 1 or t in out or set(out) != set(lead + s) | extra:
         return None
-    lead, s, t, e = out[:-2], out[-2], a[-1], out[-1]
-    return _ref(operands[1]) if a == lead + s + t and b == lead + t + e else None
+    e = extra.pop()
+    try:
+        return _ref(operands[1]), _perm(b, lead + t + e), _perm(lead + s + e, out)
+    except ValueError:
+        return None
 
 
 def find_attention(graph: Graph) -> list[AttentionMatch]:
@@ -268,8 +298,10 @@ def find_attention(graph: Graph) -> list[AttentionMatch]:
     for node in graph.nodes:
         if node.op not in _PRODUCTS or node.outputs[0] not in graph.values:
             continue
+        v_perm = out_perm = None
         if node.op == "aten.einsum.default":
-            v = _einsum_values(node)
+            values = _einsum_values(node)
+            v, v_perm, out_perm = values if values is not None else (None, None, None)
             probs = _ref(node.args[1][0]) if v is not None else None
         else:
             probs, v = _ref(node.args[0]), _ref(node.args[1])
@@ -279,7 +311,7 @@ def find_attention(graph: Graph) -> list[AttentionMatch]:
             continue
         match = finder.after_softmax(probs, node, [node])
         if match is not None:
-            match.v = v
+            match.v, match.v_perm, match.out_perm = v, v_perm, out_perm
             match.product = node
             found.append(match)
     return found
