@@ -2,16 +2,16 @@
 
 A leaf is named by a key: a submodule path (`model.visual`: its forward), or a method of a module
 (`model.get_image_features()`, `scatter()` for a method of the top module: see `method_key`).
-While tracing, a leaf module's `forward` (a leaf method: that method) is replaced by a call of the torch.library op
-`nnscaler_leaf::call(str path, str spec, Tensor[] inputs, Tensor[] state) -> Tensor[]`: `inputs` are
-the tensors among its arguments, `state` its parameters and buffers (a method's: those of its module that it
-was seen to use, `LeafSession.used`; so export lifts them under their original names, and the plan
-places them like any other weight), `spec` a JSON text saying how to
-rebuild the call (the arguments' pytree structure, their non-tensor values, the state's names). Its
-fake kernel gives the output shapes: from a run of the module on the fake inputs where that works,
-else (output sizes that depend on input values) from the module's real run on the dummy inputs,
-recorded before tracing (`CallRecord`). The generated code never calls this op: it runs the module
-eagerly (nnscaler.runtime.leaf).
+While tracing, a leaf module's `forward` (a leaf method: that method) is replaced by a call of the
+torch.library op `nnscaler_leaf::call(str path, str spec, Tensor[] inputs, Tensor[] state) -> Tensor[]`:
+`inputs` are the tensors among its arguments, `state` its parameters and buffers (a method's: those of
+its module it was seen to use, `LeafSession.used`), so export lifts them under their original names and
+the plan places them like any other weight; `spec` is a JSON text saying how to rebuild the call (the
+arguments' pytree structure, their non-tensor values, the state's names). Its fake kernel gives the
+output shapes: from a run of the module on the fake inputs where that works, else (output sizes that
+depend on input values) from the module's real run on the dummy inputs, recorded before tracing
+(`CallRecord`). The generated code never calls this op: it runs the module or method eagerly
+(nnscaler.runtime.leaf).
 """
 
 from __future__ import annotations
@@ -419,8 +419,9 @@ def _recorded(session: LeafSession, path: str, index: int, failure: str) -> Call
             if session.records is None
             else f"the real run on the dummy inputs called it {len(calls)} time(s), the trace more"
         )
+        kind = "module" if split_key(path)[1] is None else "method"
         raise TraceError(
-            f"opaque leaf {'module' if split_key(path)[1] is None else 'method'} {path}: its output sizes depend on input values ({_quiet(failure)}) and {where}. "
+            f"opaque leaf {kind} {path}: its output sizes depend on input values ({_quiet(failure)}) and {where}. "
             "Build the model with real weights and pass real dummy inputs, so nnscaler can run it once to "
             "learn them"
         )
