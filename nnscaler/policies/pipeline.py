@@ -75,7 +75,7 @@ def _even_or_balanced(graph: Graph, nstages: int, whole: tuple[str, ...]) -> tup
         "pipeline: no pipeline_pivots given and no repeated layers found, so the stages split the "
         f"{len(graph.nodes)} operators evenly (nnScaler 0.8's rule); set pas_config['pipeline_pivots'] "
         "to start stages at module boundaries",
-        stacklevel=4,
+        stacklevel=3,
     )
     return starts, "splitting the operators evenly"
 
