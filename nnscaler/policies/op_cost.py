@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nnscaler.graph.ir import Graph, Node, graph_fact
+from nnscaler.graph.ops.einsum import einsum_flops
 
 __all__ = [
     "DTYPE_BYTES",
@@ -37,7 +38,6 @@ _CONTRACTING = {
     "aten.addmm.default": -1,
     "aten.bmm.default": -1,
     "aten.baddbmm.default": -1,
-    "aten.einsum.default": -1,
     "aten._grouped_mm.default": -1,
     "transformers.grouped_mm_fallback.default": -1,
 }
@@ -90,6 +90,8 @@ def node_flops(node: Node, graph: Graph) -> float:
     outs = [graph.values[o].meta for o in node.outputs if graph.values[o].meta is not None]
     out = sum(m.numel for m in outs)
     ins = [graph.values[n].meta for n in node.input_names() if graph.values[n].meta is not None]
+    if node.op == "aten.einsum.default" and ins:  # the summed letters need not be operand 0's last dim
+        return einsum_flops(node.args[0], [m.shape for m in ins])
     if node.op in _CONTRACTING and ins and ins[0].shape:
         first = 1 if node.op in _BIAS_FIRST and len(ins) > 1 else 0  # addmm(bias, x, w)
         return 2.0 * out * ins[first].shape[-1]

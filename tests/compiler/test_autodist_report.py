@@ -187,3 +187,15 @@ def test_folded_layers_read_once_in_words(tmp_path):
     layers = next(line for line in words.splitlines() if "model.layers.0" in line)
     assert "`model.layers.0` ... `model.layers.1` (2 alike)" in layers
     assert "attention key/value head groups" in layers and "over tp (2, intra-node)" in layers
+
+
+def test_pipelined_plan_report_gives_each_stage_its_share(tmp_path):
+    model, make_batch = zoo.build("llama")
+    cfg = ComputeConfig(2, 2, use_end2end=True, pas_config={"cluster": TP_CLUSTER, "pipeline_nstages": 2})
+    compile_module(model, make_batch(0, 4), "autodist", cfg, tmp_path, "test")
+    report = (tmp_path / "plan_report.md").read_text()
+    stages = report.split("## Pipeline stages")[1].split("\n## ")[0]
+    rows = [line for line in stages.splitlines() if line.startswith("| 0 |") or line.startswith("| 1 |")]
+    assert len(rows) == 2, stages
+    flops = [float(r.split("|")[3].strip().rstrip("%")) for r in rows]
+    assert abs(sum(flops) - 100) < 0.5 and min(flops) > 25, stages  # two layers: about half each

@@ -85,3 +85,12 @@ def test_einsum_projections_are_linears_under_tp():
     plan = make_plan(graph, "tp", ComputeConfig(2, 2))
     notes = [(plan.nodes[n.name].split, plan.nodes[n.name].note) for n in einsums[:2]]
     assert notes == [("h", "column-parallel"), ("h", "row-parallel")]
+
+
+def test_cost_model_counts_einsum_by_its_equation():
+    """`bhse,hed->bsd` sums over h and e: not operand 0's last dim alone (that would miss h)."""
+    from nnscaler.policies.op_cost import node_flops
+
+    graph = capture(HeadProjections(), {"x": torch.randn(2, 3, 8)})
+    out_proj = [n for n in graph.nodes if n.op == "aten.einsum.default"][1]
+    assert node_flops(out_proj, graph) == 2 * 2 * 3 * 8 * 4 * 2  # b s d h e

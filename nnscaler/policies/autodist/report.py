@@ -19,6 +19,7 @@ from nnscaler.policies.autodist.report_ep import ep_report_lines
 from nnscaler.policies.autodist.report_reasons import why_not_taken
 from nnscaler.policies.autodist.report_words import module_group, module_words, short_op
 from nnscaler.policies.plan import Plan
+from nnscaler.policies.stage_balance import stage_report_lines
 
 __all__ = ["plan_report", "plan_report_text", "write_plan_report", "REPORT_NAME"]
 
@@ -71,6 +72,7 @@ def plan_report(
     ]
     lines += cp_report_lines(graph, plan, setup, cand)
     lines += ep_report_lines(graph, plan, setup, cand)
+    lines += stage_report_lines(graph, plan)
     lines += list(whole)
     if res is not None and res.stats:
         s = res.stats
