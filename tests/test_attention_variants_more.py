@@ -77,3 +77,15 @@ def test_causal_mask_written_by_hand(tmp_path):
             for kind in ("zigzag", "ulysses")
         ]
     run_parity_many(cases, 2, tmp_path=tmp_path, timeout=280)
+
+
+@pytest.mark.slow
+def test_transformers_eager_bert_and_t5(tmp_path):
+    """BERT (padding mask added, a key bias whose gradient is round-off) and T5 (a learned relative
+    position bias shared by the layers, cross-attention, no scale) in eager mode split heads under tp."""
+    cases = [
+        ParityCase(f"tests.zoo_attention_variants:build_hf_{name}_eager", "tp", 2, optimizer="sgd")
+        for name in ("bert", "t5")
+    ]
+    results = run_parity_many(cases, 2, tmp_path=tmp_path, timeout=280)
+    assert all(r["local_param_fraction"] <= 0.6 for r in results[1])

@@ -171,7 +171,7 @@ def build_hf_bloom(seed: int = 0):
     return model, make_batch
 
 
-def _hf_eager(config_name: str, model_name: str, **sizes):
+def _hf_eager(config_name: str, model_name: str, decoder_ids: bool = False, **sizes):
     import transformers
 
     config = getattr(transformers, config_name)(
@@ -186,7 +186,8 @@ def _hf_eager(config_name: str, model_name: str, **sizes):
         def make_batch(seed: int, batch_size: int) -> dict:
             g = torch.Generator().manual_seed(seed)
             ids = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
-            return {"input_ids": ids, "labels": ids.clone()}
+            batch = {"input_ids": ids, "labels": ids.clone()}
+            return {**batch, "decoder_input_ids": ids.clone()} if decoder_ids else batch
 
         return model, make_batch
 
@@ -283,3 +284,30 @@ def build_causal_matmul(seed: int = 0):
 def build_einsum_bshd(seed: int = 0):
     torch.manual_seed(seed)
     return _BiasDecoder("bshd").train(), _tokens
+
+
+build_hf_bert_eager = _hf_eager(
+    "BertConfig",
+    "BertForMaskedLM",
+    hidden_size=WIDTH,
+    intermediate_size=2 * WIDTH,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=HEADS,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+"""BERT from transformers with eager attention (a separate key projection with a bias, whose gradient is
+round-off only: compile-time verify compares it at the scale of the model's gradients)."""
+
+build_hf_t5_eager = _hf_eager(
+    "T5Config",
+    "T5ForConditionalGeneration",
+    decoder_ids=True,
+    d_model=WIDTH,
+    d_kv=WIDTH // HEADS,
+    d_ff=2 * WIDTH,
+    num_layers=LAYERS,
+    num_heads=HEADS,
+    dropout_rate=0.0,
+)
+"""T5 from transformers with eager attention: a learned relative-position bias, no scale, cross-attention."""

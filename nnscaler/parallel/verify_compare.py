@@ -46,8 +46,10 @@ def _shape(t: torch.Tensor) -> str:
     return f"[{', '.join(str(s) for s in t.shape)}]"
 
 
-def difference(got: object, want: object) -> Difference | None:
-    """None when `got` matches `want` (tensors within tolerance, other values equal)."""
+def difference(got: object, want: object, floor: float = 0.0) -> Difference | None:
+    """None when `got` matches `want` (tensors within tolerance, other values equal). `floor`: a least
+    magnitude for the absolute tolerance (a gradient that is round-off only, e.g. of an attention key
+    bias, which softmax ignores, is compared at the scale of the model's gradients)."""
     if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
         if isinstance(want, torch.Tensor) or isinstance(got, torch.Tensor):
             return Difference(f"{type(got).__name__} where eager has {type(want).__name__}")
@@ -80,7 +82,7 @@ def difference(got: object, want: object) -> Difference | None:
     if b.numel() == 0:
         return None
     magnitude = b.abs()
-    scale = float(magnitude.max())
+    scale = max(float(magnitude.max()), floor)
     if bool((err <= atol_scale * scale + rtol * magnitude).all()):
         return None
     return Difference(f"shape {_shape(got)}", float(err.max()), atol_scale * scale + rtol * scale)

@@ -153,13 +153,17 @@ def _source_4d(graph: Graph, producer: dict[str, Node], name: str) -> str | None
 
 
 def _transposed_from(producer: dict[str, Node], graph: Graph, name: str) -> str | None:
-    """x when `name` is x.transpose(-2, -1)."""
+    """x when `name` is x.transpose(-2, -1) (or a permute that swaps only the last two dims)."""
     node = producer.get(name)
-    if node is None or node.op != "aten.transpose.int" or not isinstance(node.args[0], Ref):
+    if node is None or not isinstance(node.args[0], Ref):
         return None
     rank = len(graph.values[name].meta.shape)
-    dims = {d % rank for d in node.args[1:3]}
-    return node.args[0].name if dims == {rank - 2, rank - 1} else None
+    if node.op == "aten.transpose.int":
+        return node.args[0].name if {d % rank for d in node.args[1:3]} == {rank - 2, rank - 1} else None
+    if node.op == "aten.permute.default":
+        dims = [d % rank for d in node.args[1]]
+        return node.args[0].name if dims == [*range(rank - 2), rank - 1, rank - 2] else None
+    return None
 
 
 def _operands(em: _Emitter, graph: Graph, producer: dict[str, Node], m: AttentionMatch):
