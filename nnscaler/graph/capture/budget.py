@@ -22,7 +22,6 @@ import ctypes
 import logging
 import math
 import sys
-import sysconfig
 import threading
 import time
 import traceback
@@ -33,6 +32,7 @@ from typing import Any, TypeVar
 import torch
 
 from nnscaler.errors import TraceError
+from nnscaler.graph.capture.user_frames import user_frame
 
 __all__ = [
     "TraceBudget",
@@ -45,9 +45,6 @@ __all__ = [
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
-
-_LIBRARY_PARTS = ("/torch/", "/nnscaler/", "/sympy/", "/mpmath/", "/functorch/")
-_STDLIB = sysconfig.get_paths().get("stdlib", "\0")
 
 
 class _BudgetInterrupt(BaseException):
@@ -89,13 +86,10 @@ class TraceBudget:
 def user_line(frames: list[traceback.FrameSummary]) -> str | None:
     """The innermost frame outside torch, nnscaler, sympy and the standard library, as
     `file:line in function: code`; None when every frame is library code."""
-    for frame in reversed(frames):
-        name = frame.filename.replace("\\", "/")
-        stdlib = name.startswith(_STDLIB) and "-packages/" not in name
-        if any(part in name for part in _LIBRARY_PARTS) or stdlib or name.startswith("<"):
-            continue
-        return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}: {(frame.line or "").strip()}'
-    return None
+    frame = user_frame(frames)
+    if frame is None:
+        return None
+    return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}: {(frame.line or "").strip()}'
 
 
 class _Watchdog:

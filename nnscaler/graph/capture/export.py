@@ -12,6 +12,7 @@ import torch
 
 from nnscaler.errors import TraceError
 from nnscaler.graph.capture.library_tracing import static_shape_choices
+from nnscaler.graph.capture.user_frames import user_frame
 
 __all__ = [
     "check_forward_args",
@@ -98,10 +99,9 @@ def untraced_defaults(module: torch.nn.Module, traced: list[str]) -> dict[str, A
 
 def _user_frame(exc: BaseException) -> str:
     """The innermost traceback frame outside torch/nnscaler: where the user's code failed."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    for frame in reversed(frames):
-        if "/torch/" not in frame.filename and "/nnscaler/" not in frame.filename:
-            return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}: {frame.line}'
+    frame = user_frame(traceback.extract_tb(exc.__traceback__))
+    if frame is not None:
+        return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}: {frame.line}'
     text = str(exc)
     m = re.search(r'File "([^"]+)", line (\d+)', text)
     return m.group(0) if m else "unknown location"

@@ -51,6 +51,7 @@ from nnscaler.graph.capture.leaf_regions import (
     trace_regions,
     value_reads,
 )
+from nnscaler.graph.capture.user_frames import user_frame
 from nnscaler.graph.ir import Graph, Node
 
 __all__ = ["LeafModuleWarning", "resolve_leaf_modules", "capture_with_leaves", "mark_leaf_nodes"]
@@ -110,10 +111,9 @@ def _outside(regions: list[str], chosen: Sequence[str]) -> bool:
 
 
 def _user_line(exc: BaseException) -> str:
-    frames = traceback.extract_tb(exc.__traceback__)
-    for f in reversed(frames):
-        if "/torch/" not in f.filename and "/nnscaler/" not in f.filename:
-            return f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} `{(f.line or '').strip()}`"
+    f = user_frame(traceback.extract_tb(exc.__traceback__))
+    if f is not None:
+        return f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} `{(f.line or '').strip()}`"
     return "an unknown line"
 
 
