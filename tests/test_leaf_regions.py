@@ -178,12 +178,6 @@ def test_the_vlm_trains_like_one_device_under_every_policy(tmp_path):
     assert all(f <= 0.6 for f in fractions), f"under tp 2 a rank keeps {max(fractions):.0%} of the parameters"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the cp planner (policies/context_parallel.py) starts the sequence split only at the forward's "
-    "inputs; here the embeddings come out of the opaque merge_images op, whole. Starting it at an opaque "
-    "leaf's outputs too (`_SequenceDecider.inputs`) makes both cases exact (checked with that one-line change)",
-)
 def test_the_vlm_splits_its_sequence_under_cp(tmp_path):
     cases = [
         ParityCase(VLM, "tp", 2, {"pas_config": {"cp_size": 2, "cp_kind": kind}}, optimizer="sgd")

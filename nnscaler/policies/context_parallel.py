@@ -18,6 +18,7 @@ from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph, Node, Shard, iter_refs
 from nnscaler.graph.ops import BoundAnno, annotate_node, get_rule, layouts_for, mesh_layouts_for
 from nnscaler.graph.ops.attention import CONTEXT_PARALLEL_ATTENTION
+from nnscaler.graph.ops.leaf import is_leaf_op
 from nnscaler.policies.cp_schedule import check_ring_nccl
 from nnscaler.policies.options import ContextParallelOptions
 from nnscaler.policies.plan import CP_KINDS, ContextParallel, NodePlan, Plan
@@ -81,11 +82,13 @@ def _sequence_length(graph: Graph) -> int:
 
 
 class _SequenceDecider:
-    """Split the sequence dim of the forward's inputs; attention reading sequence shards runs the special."""
+    """Split the sequence dim of the forward's inputs, and of what opaque regions return (embeddings an
+    eager method merged, whole on every device); attention reading sequence shards runs the special."""
 
     def __init__(self, graph: Graph, ways: int, length: int):
         self.graph, self.ways, self.length = graph, ways, length
-        self.inputs = set(graph.inputs)
+        leaf_outputs = {o for n in graph.nodes if is_leaf_op(n.op) for o in n.outputs}
+        self.inputs = set(graph.inputs) | leaf_outputs
 
     def __call__(self, state: PropagationState, node: Node, bound: BoundAnno) -> NodePlan | None:
         rule = get_rule(node.op)
