@@ -95,11 +95,18 @@ class _SequenceDecider:
         if node.name in self._attention:
             q = state.input_layouts(node)[0]
             rank = len(self.graph.values[node.input_names()[0]].meta.shape)
+            lay = layouts_for(bound, rule, "s", self.ways)
+            if isinstance(lay, str):
+                return None
             if isinstance(q, Shard) and q.dim == rank - 2:
-                lay = layouts_for(bound, rule, "s", self.ways)
-                if not isinstance(lay, str):
-                    return NodePlan("s", self.ways, note="context parallel: sequence split")
-            return None
+                return NodePlan("s", self.ways, note="context parallel: sequence split")
+            # an op before it needs the whole sequence (a state-space scan, windows rolled over the image):
+            # each device slices its chunk of q, k and v locally, so the attention itself still splits
+            return NodePlan(
+                "s",
+                self.ways,
+                note="context parallel: sequence split at the attention (its inputs arrive whole)",
+            )
         refs = [r for r in iter_refs((node.args, node.kwargs)) if self.graph.values[r.name].meta]
         for ref, t in zip(refs, bound.anno.inputs):
             shape = self.graph.values[ref.name].meta.shape
