@@ -28,6 +28,7 @@ from nnscaler.graph.ops import annotate_node, get_rule, is_bias_split, layouts_f
 from nnscaler.graph.ops.attention import CONTEXT_PARALLEL_ATTENTION
 from nnscaler.graph.ops.moe import EXPERT_PARALLEL
 from nnscaler.partition.context_parallel import context_parallel_statement
+from nnscaler.partition.conv_bias import bias_view, conv_without_bias
 from nnscaler.partition.convert import GROUP, AxisGroup, conversion_steps
 from nnscaler.partition.expert_parallel import expert_parallel_statement
 from nnscaler.partition.forced_layouts import check_forced_layouts
@@ -325,7 +326,7 @@ class _Partitioner:
         elif specials:
             self._vocab_parallel(node, rule, bound, specials, split_axes, args, kwargs, common)
         elif bias_axes:
-            self._bias_split(node, rule.bias_input, bias_axes, outs[0], args, kwargs, common)
+            self._bias_split(node, rule, bias_axes, split_axes, outs[0], args, kwargs, common)
         else:
             self._split_op(node, rule, bound, split_axes, args, kwargs, common)
 
@@ -427,9 +428,9 @@ class _Partitioner:
             args = localise_dim(self.graph, node, args, d, ways)
         return args
 
-    def _bias_split(self, node: Node, bias_input: int, bias_axes, out_layout, args, kwargs, common) -> None:
+    def _bias_split(self, node: Node, rule, bias_axes, split_axes, out_layout, args, kwargs, common) -> None:
         refs = list(iter_refs((args, kwargs)))
-        bias = refs[bias_input]
+        bias = refs[rule.bias_input]
         out = node.outputs[0]
         partial = self._fresh(f"{out}_partial")
         if node.op == "aten.addmm.default":
@@ -438,6 +439,9 @@ class _Partitioner:
             alpha = node.args[4] if len(node.args) > 4 else node.kwargs.get("alpha", 1)
             kw = {"beta": 0, "alpha": alpha}
             self._emit(Statement("op", node.op, (refs[0], refs[1], refs[2]), kw, [partial], **common))
+        elif rule.family == "conv":
+            local = conv_without_bias(node, rule, args, kwargs, bias, dict(s for _, s in split_axes))
+            self._emit(Statement("op", node.op, *local, [partial], **common))
         else:
             self._emit(Statement("op", node.op, (refs[0], refs[1]), {}, [partial], **common))
         placements = list(placements_of(out_layout, len(self.mesh)))
@@ -450,6 +454,12 @@ class _Partitioner:
         group = group_of(bias_axes, self.mesh)
         self._emit(Statement("comm", "reduce_from_group", (Ref(partial), group), {}, [reduced], **common))
         self.graph_meta_alias(reduced, out, out_layout)
+        if rule.family == "conv":  # (o,) -> (o, 1, ..): broadcast over the spatial dims
+            view = self._fresh(f"{bias.name}_view")
+            spatial = len(self.graph.values[node.input_names()[1]].meta.shape) - 2
+            stmt, meta = bias_view(bias, self.program.local_meta[bias.name], spatial, view, common)
+            self._emit(stmt)
+            self.program.local_meta[view], bias = meta, Ref(view)
         common = {**common, "note": "bias added once, after the reduction"}
         self._emit(Statement("bias", "add", (Ref(reduced), bias), {}, [out], **common))
 

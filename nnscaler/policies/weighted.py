@@ -18,11 +18,17 @@ _WEIGHTED = {
     "aten.matmul.default": (0, 1, "k", "n"),
     "transformers.grouped_mm_fallback.default": (0, 1, "k", "n"),
     "aten._grouped_mm.default": (0, 1, "k", "n"),
-    "aten.conv1d.default": (0, 1, "c", "o"),
-    "aten.conv2d.default": (0, 1, "c", "o"),
-    "aten.conv3d.default": (0, 1, "c", "o"),
 }
-_CHANNEL_FIRST = {"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default"}
+# convolutions (nnscaler/graph/ops/conv.py): channels 'c' in (a reduction; a bias is added once after
+# it), 'o' out, channel-first
+_CHANNEL_FIRST = {
+    *(f"aten.conv{k}d.{v}" for k in (1, 2, 3) for v in ("default", "padding")),
+    "aten.conv_transpose1d.default",
+    "aten.conv_transpose2d.input",
+    "aten.conv_transpose3d.input",
+    "aten.convolution.default",
+}
+_WEIGHTED.update({op: (0, 1, "c", "o") for op in _CHANNEL_FIRST})
 
 
 @dataclass(frozen=True)

@@ -427,7 +427,8 @@ NORM: dict[str, Maker] = {
 
 def _conv(nsp: int, kind: str = "conv") -> Maker:
     """conv{n}d (kind 'conv'), conv{n}d.padding ('same'), conv_transpose{n}d ('transpose') or
-    aten.convolution ('convolution', both directions)."""
+    aten.convolution ('convolution', both directions). With a bias, a split on the input channels runs
+    the conv without it, all-reduces, then adds bias.view(-1, 1, ..) once (grouped: within groups)."""
 
     def make(d: Draw) -> list[tuple]:
         n, c, o = d.n(), d.big(), d.big()
@@ -436,7 +437,7 @@ def _conv(nsp: int, kind: str = "conv") -> Maker:
         x, unbatched = d.f(n, c, *sp), d.f(c, *sp)
         variants = [(1, True, x), (1, False, x), (6, False, x)]
         if nsp < 3 and kind != "convolution":
-            variants += [(2, True, x), (1, False, unbatched)]
+            variants += [(2, True, x), (1, False, unbatched), (1, True, unbatched)]
         out = []
         for groups, bias, inp in variants:
             for transposed in {"conv": [False], "same": [False], "transpose": [True]}.get(

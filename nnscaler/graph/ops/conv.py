@@ -50,12 +50,13 @@ def _local_groups(
     return args, {**kwargs, name: kwargs[name] // ways}
 
 
-@rule(_CONV + _CONV_TRANSPOSE, "conv", local_args=lambda a, k, s: _local_groups(a, k, s, 6))
+@rule(_CONV + _CONV_TRANSPOSE, "conv", bias_input=2, local_args=lambda a, k, s: _local_groups(a, k, s, 6))
 def conv(call: OpCall) -> str | tuple[str, dict[str, int]]:
-    """Convolutions: the batch, output channels and (without a bias) input channels split.
+    """Convolutions: the batch, output channels and input channels split.
 
-    groups == 1: 'n c+ i.., o c+ k.. -> n o s..' (transposed: weight 'c+ o k..'); with a bias the
-    input channels stay whole ('c^'). groups > 1 (grouped, depthwise): channels are '(g ci)' in and
+    groups == 1: 'n c+ i.., o c+ k.. -> n o s..' (transposed: weight 'c+ o k..'). The input channels
+    are a reduction (partial sums); with a bias (`bias_input`) the partition runs the local op without
+    it, all-reduces, then adds the bias once (nnscaler.partition.conv_bias). groups > 1 (grouped, depthwise): channels are '(g ci)' in and
     '(g co)' out, weight '(g co) ci k..' (transposed '(g ci) co k..'): splitting `g` gives each device
     whole groups (the local op runs groups / devices of them), `co` a strided part of every group.
     Spatial dims stay whole.
@@ -70,18 +71,17 @@ def conv(call: OpCall) -> str | tuple[str, dict[str, int]]:
     n = "n " if batched else ""
     sp_in, sp_w, sp_out = (" ".join(_spatial(p, nsp)) for p in ("i", "k", "s"))
     if groups == 1:
-        # without a bias the input channels are a reduction dim (partial sums); with one, kept whole
-        c = "c^" if has_bias else "c+"
+        c = "c+"  # a reduction dim (partial sums); a bias is added once after the reduction
         weight = f"{c} o {sp_w}" if transposed else f"o {c} {sp_w}"
         ins = [f"{n}{c} {sp_in}", weight] + (["o"] if has_bias else [])
         return ", ".join(ins) + f" -> {n}o {sp_out}"
-    ci = "ci^" if has_bias else "ci+"
+    ci = "ci+"
     weight = f"(g {ci}) co {sp_w}" if transposed else f"(g co) {ci} {sp_w}"
     ins = [f"{n}(g {ci}) {sp_in}", weight] + (["(g co)"] if has_bias else [])
     return ", ".join(ins) + f" -> {n}(g co) {sp_out}", {"g": groups}
 
 
-@rule(_CONVOLUTION, "conv", local_args=lambda a, k, s: _local_groups(a, k, s, 8))
+@rule(_CONVOLUTION, "conv", bias_input=2, local_args=lambda a, k, s: _local_groups(a, k, s, 8))
 def convolution(call: OpCall) -> str | tuple[str, dict[str, int]]:
     """aten.convolution (input, weight, bias, stride, padding, dilation, transposed, output_padding,
     groups): annotated as conv / conv_transpose."""
