@@ -453,6 +453,7 @@ class _Partitioner:
         reduced = self._fresh(f"{out}_reduced")
         group = group_of(bias_axes, self.mesh)
         self._emit(Statement("comm", "reduce_from_group", (Ref(partial), group), {}, [reduced], **common))
+        self.layouts[reduced] = out_layout
         self.graph_meta_alias(reduced, out, out_layout)
         if rule.family == "conv":  # (o,) -> (o, 1, ..): broadcast over the spatial dims
             view = self._fresh(f"{bias.name}_view")
