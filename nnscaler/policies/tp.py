@@ -9,9 +9,12 @@ cut through a head is never taken. A fused projection tries the splits its downs
 outer sub-dims whole, then inner ones taken in every block (nn.MultiheadAttention's packed
 "(3 (heads head_dim))" rows split by heads in 3 blocks; Falcon's grouped "(kv_groups (q_per_kv + 2)
 head_dim)" rows split by KV group, each device keeping its groups' query heads and their K/V head).
-When none flows cleanly but the output still feeds a linear or the loss, the weight is split and its
-output all-gathered at once, read whole downstream (Megatron's `gather_output`); otherwise the
-weight stays whole. Either way the plan's note names the op that needed the output whole.
+When none flows cleanly but the output still feeds a linear or the loss, or the op is a convolution
+(compute-heavy: a ViT's patch embedding, read by a layer norm), the weight is split and its output
+all-gathered at once, read whole downstream (Megatron's `gather_output`); otherwise the weight stays
+whole. A convolution with a bias is row-parallel like a linear (the bias added once, after the
+all-reduce), so conv -> group norm -> activation -> conv pairs are column -> row parallel. Either
+way the plan's note names the op that needed the output whole.
 
 Attention whose inputs all arrive whole is split by query heads when that flows to a row-parallel
 output projection: each device slices its query heads locally and reads the K/V heads whole. This is
@@ -108,7 +111,8 @@ class _TpDecider:
                 return NodePlan(w.n, self.ways, blocks, note="column-parallel")
             tried.append((blocks, flow.reason))
         why = tried[0][1] if tried else f"output features (size {size}) cannot be split {self.ways} ways"
-        if tried and self.tracer.feeds_consumer(w.node.outputs[0]):
+        # a conv (channel-first) is worth splitting even when a norm reads its output whole
+        if tried and (w.channel_first or self.tracer.feeds_consumer(w.node.outputs[0])):
             # Megatron's gather_output: the weight is split, its output all-gathered at once and read
             # whole downstream (instead of cut through a head or reshuffled later)
             self.gathered.add(w.node.outputs[0])
