@@ -6,6 +6,7 @@ then bias.view(-1, 1, 1) is added once), so a rank keeps at most 60% of the para
 
 from __future__ import annotations
 
+from nnscaler.policies.plan import Plan
 from tests.parity import ParityCase, run_parity_many
 
 MODEL = "tests.zoo_convnet:build_conv_net"
@@ -22,4 +23,10 @@ def test_biased_conv_pair_is_column_then_row_parallel(tmp_path):
     assert all(r["local_param_fraction"] <= 0.6 for r in tp), (
         f"{cases[0].label}: a rank keeps {max(r['local_param_fraction'] for r in tp):.0%} of the "
         "parameters: the biased convs were not split column -> row parallel"
+    )
+    (path,) = sorted((tmp_path / "gen" / "case0").rglob("plan.json"))
+    plan = Plan.from_json(path.read_text())
+    assert plan.node("conv2d").split == "o", plan.node("conv2d").describe()
+    assert plan.node("conv2d_1").split == "c", (
+        f"the biased conv2 is not row-parallel: {plan.node('conv2d_1').describe()}"
     )
