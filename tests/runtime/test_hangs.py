@@ -19,7 +19,6 @@ import datetime
 import importlib
 import multiprocessing as mp
 import os
-import socket
 import time
 
 import pytest
@@ -162,20 +161,24 @@ def test_waiting_for_an_outcome_that_never_comes_times_out():
     wait_outcome("k2", src=0, what="x", timeout=1, store=store, me=1)  # success returns
 
 
-def _host_store_then_die(port: int) -> None:
-    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=30))
+def _host_store_then_die(ports) -> None:
+    # port 0: the store listens on a port the OS picks, so no other process can take it in between
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
+    )
+    ports.put(store.port)
     store.set("up", b"1")
     time.sleep(1.0)
     os._exit(1)  # like a rank 0 killed in the middle of compiling
 
 
 def test_a_dead_rank0_is_noticed_at_once_not_after_the_compile_timeout():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = mp.get_context("spawn").Process(target=_host_store_then_die, args=(port,))
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    proc = ctx.Process(target=_host_store_then_die, args=(ports,))
     proc.start()
     try:
+        port = ports.get(timeout=60)
         client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=30))
         client.wait(["up"])
         start = time.monotonic()
