@@ -43,6 +43,7 @@ __all__ = [
     "method_key",
     "split_key",
     "BoundMethod",
+    "restore_attributes",
 ]
 
 _LITERALS = (type(None), bool, int, float, str)
@@ -212,12 +213,18 @@ def leaf_session(session: LeafSession) -> Iterator[None]:
             patched.append((module, attr, had, original))
         yield
     finally:
-        for module, attr, had, original in reversed(patched):
-            if had:
-                setattr(module, attr, original)
-            else:
-                delattr(module, attr)
+        restore_attributes(patched)
         _ACTIVE.remove(session)
+
+
+def restore_attributes(patched: list[tuple[Any, str, bool, Any]]) -> None:
+    """Undo `setattr(owner, name, ...)` patches, latest first: (owner, name, had it in its __dict__,
+    original); an attribute the instance did not have itself is deleted, so its class's shows again."""
+    for owner, name, had, original in reversed(patched):
+        if had:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
 
 
 def _traced_forward(session: LeafSession, path: str, module: torch.nn.Module, original):

@@ -21,6 +21,7 @@ from nnscaler.graph.capture.leaf_op import (
     LeafSession,
     TensorSlot,
     describe_io,
+    restore_attributes,
     split_key,
     state_of,
 )
@@ -157,8 +158,4 @@ def record_methods(
             patched.append((owner, name, had, original))
         yield
     finally:
-        for owner, name, had, original in reversed(patched):
-            if had:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
+        restore_attributes(patched)
