@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
+from nnscaler import env_vars
 from nnscaler.errors import ConfigError
 from nnscaler.mesh import ParallelDims
 
@@ -155,13 +155,13 @@ class ComputeConfig:
         if not isinstance(self.plan_ngpus, int) or self.plan_ngpus <= 0:
             raise ConfigError(f"ComputeConfig.plan_ngpus must be a positive int, got {self.plan_ngpus!r}")
         if self.runtime_ngpus is None:
-            world = os.environ.get("WORLD_SIZE")
+            world = env_vars.read("WORLD_SIZE")  # a positive int, else ConfigError naming it
             if world is None:
                 raise ConfigError(
                     "ComputeConfig.runtime_ngpus is None and $WORLD_SIZE is not set: "
                     "pass runtime_ngpus explicitly or run under torchrun"
                 )
-            object.__setattr__(self, "runtime_ngpus", int(world))
+            object.__setattr__(self, "runtime_ngpus", world)
         if not isinstance(self.runtime_ngpus, int) or self.runtime_ngpus <= 0:
             raise ConfigError(
                 f"ComputeConfig.runtime_ngpus must be a positive int, got {self.runtime_ngpus!r}"

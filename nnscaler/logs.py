@@ -5,7 +5,8 @@ code went. Modules log to children of it (`logging.getLogger("nnscaler.parallel"
 from __future__ import annotations
 
 import logging
-import os
+
+from nnscaler import env_vars
 
 __all__ = ["ENV", "configure_from_env"]
 
@@ -14,18 +15,15 @@ ENV = "NNSCALER_LOG"
 
 class _RankFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        record.rank = os.environ.get("RANK", "0")
+        record.rank = env_vars.read("RANK") or 0
         return super().format(record)
 
 
 def configure_from_env() -> None:
     """Give the `nnscaler` logger a level and a stderr handler when $NNSCALER_LOG names a level."""
-    value = os.environ.get(ENV, "").strip()
-    if not value:
+    level = env_vars.read(ENV)  # ConfigError (a ValueError) for a name that is not a level
+    if level is None:
         return
-    level = logging.getLevelName(value.upper())
-    if not isinstance(level, int):
-        raise ValueError(f"${ENV}={value!r} is not a logging level: use debug, info, warning or error")
     logger = logging.getLogger("nnscaler")
     logger.setLevel(level)
     if not any(getattr(h, "_nnscaler", False) for h in logger.handlers):

@@ -19,6 +19,7 @@ import time
 
 import torch.distributed as dist
 
+from nnscaler import env_vars
 from nnscaler.runtime.dist.store_sync import Outcome, PeerError, default_store
 
 __all__ = ["Heartbeat", "heartbeat_timeout"]
@@ -28,14 +29,7 @@ PREFIX = "nnscaler/trainer"
 
 def heartbeat_timeout() -> float:
     """$NNSCALER_HEARTBEAT_TIMEOUT seconds (default 30): a peer silent this long is dead."""
-    raw = os.environ.get("NNSCALER_HEARTBEAT_TIMEOUT", "").strip()
-    try:
-        value = float(raw) if raw else 30.0
-    except ValueError:
-        raise ValueError(f"NNSCALER_HEARTBEAT_TIMEOUT={raw!r} must be a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"NNSCALER_HEARTBEAT_TIMEOUT must be positive, got {raw!r}")
-    return value
+    return env_vars.read("NNSCALER_HEARTBEAT_TIMEOUT") or 30.0  # positive seconds, else ConfigError
 
 
 class Heartbeat:

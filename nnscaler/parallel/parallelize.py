@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import sys
 import types
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nnscaler import env_vars
 from nnscaler.codegen import write_atomic
 from nnscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
 from nnscaler.errors import ConfigError
@@ -99,7 +99,7 @@ def _selected(name: str, strategy: BroadcastGenFilesStrategy) -> bool:
 
 def _is_node_leader() -> bool:
     """The rank that writes for its machine (LOCAL_RANK 0); without LOCAL_RANK every rank writes."""
-    return int(os.environ.get("LOCAL_RANK", "0")) == 0
+    return not env_vars.read("LOCAL_RANK")  # unset or 0
 
 
 def _broadcast_files(outdir: Path, strategy: BroadcastGenFilesStrategy) -> None:

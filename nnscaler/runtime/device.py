@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import datetime
-import os
 import warnings
 
 import torch
 import torch.distributed as dist
 
+from nnscaler import env_vars
 from nnscaler.runtime.dist import lifecycle, timeline
 from nnscaler.runtime.dist.groups import clear_groups
 from nnscaler.runtime.dist.process_group import is_initialized, uses_nccl
@@ -36,7 +36,7 @@ def init(timeout: datetime.timedelta | float | None = None, backend: str | None 
     """
     wait = collective_timeout(timeout)  # validated even when there is nothing to start
     backend = (
-        backend or os.environ.get(BACKEND_ENV) or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend or env_vars.read(BACKEND_ENV) or ("nccl" if torch.cuda.is_available() else "gloo")
     ).lower()
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"nnscaler.init(backend={backend!r}) (or ${BACKEND_ENV}): use 'nccl' or 'gloo'")
@@ -55,7 +55,7 @@ def init(timeout: datetime.timedelta | float | None = None, backend: str | None 
         )
     if is_initialized() or not dist.is_available():
         return
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    if env_vars.read("RANK") is None or env_vars.read("WORLD_SIZE") is None:
         return
     if backend == "nccl":
         device = torch.device("cuda", local_cuda_index())
@@ -87,13 +87,13 @@ def local_cuda_index() -> int:
     """This process's CUDA device: $LOCAL_RANK among the visible devices, or device 0 when the
     launcher gives each process one GPU of its own (CUDA_VISIBLE_DEVICES per process, e.g. SLURM)."""
     count = torch.cuda.device_count()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = env_vars.read("LOCAL_RANK") or 0
     if count == 1:
         return 0
     if local_rank >= count:
         raise RuntimeError(
             f"LOCAL_RANK is {local_rank} but this process sees {count} CUDA devices "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): start at most "
+            f"(CUDA_VISIBLE_DEVICES={env_vars.read('CUDA_VISIBLE_DEVICES') or '<unset>'}): start at most "
             f"{count} processes per machine, or make each process see one GPU"
         )
     return local_rank

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 
+from nnscaler import env_vars
 from nnscaler.policies.stage_dp import stage_dp_py
 
 __all__ = ["stage_dp", "stage_dp_py", "native_stage_dp", "native_available"]
@@ -25,7 +26,7 @@ def native_stage_dp():
     global _NATIVE
     if _NATIVE is None:
         _NATIVE = False
-        if os.environ.get("NNSCALER_AUTODIST_NATIVE", "1") != "0":
+        if env_vars.read("NNSCALER_AUTODIST_NATIVE") is not False:
             try:
                 import cppimport
 

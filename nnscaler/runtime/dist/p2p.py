@@ -17,7 +17,6 @@ a wrong order that would hang on NCCL may run on gloo, or swap two tensors of eq
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from nnscaler import env_vars
 from nnscaler.errors import NnScalerError
 
 __all__ = ["Label", "P2P", "P2POrderError", "connect", "strict_p2p"]
@@ -36,7 +36,7 @@ TIMEOUT_ENV = "NNSCALER_STRICT_P2P_TIMEOUT"
 
 def strict_p2p() -> bool:
     """Whether `NNSCALER_STRICT_P2P=1` is set (checked P2P order, synchronous sends)."""
-    return os.environ.get(STRICT_ENV, "0") not in ("", "0")
+    return bool(env_vars.read(STRICT_ENV))  # 1/0, true/false, yes/no, on/off; else ConfigError
 
 
 class P2POrderError(NnScalerError, RuntimeError):
@@ -116,7 +116,7 @@ class P2P:
         self._wait_sent(dist.isend(t, dst), dst, pos, label)
 
     def _wait_sent(self, work, dst: int, pos: int, label: Label) -> None:
-        seconds = float(os.environ.get(TIMEOUT_ENV, "60"))
+        seconds = env_vars.read(TIMEOUT_ENV) or 60.0
         try:
             ok = work.wait(timedelta(seconds=seconds))
         except RuntimeError as e:

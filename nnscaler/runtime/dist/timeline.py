@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nnscaler import env_vars
+
 __all__ = ["timeline", "start", "stop", "flush", "start_from_env", "span", "merge_timelines", "ENV"]
 
 ENV = "NNSCALER_TIMELINE"
@@ -140,7 +142,7 @@ def _finish(event: _Event, work: Any = None) -> None:
     if event.dur_us is not None:
         return
     measured = None
-    if work is not None and os.environ.get("TORCH_NCCL_ENABLE_TIMING") == "1":
+    if work is not None and env_vars.read("TORCH_NCCL_ENABLE_TIMING"):
         try:
             measured = float(work._get_duration()) * 1000.0  # ms on the device (NCCL)
         except Exception:  # not measured by this backend
@@ -220,7 +222,7 @@ def flush() -> str | None:
 
 def start_from_env() -> None:
     """`nnscaler.init()`: start the timeline when $NNSCALER_TIMELINE names a path (written at exit too)."""
-    path = os.environ.get(ENV)
+    path = env_vars.read(ENV)
     if path and _recorder is None:
         os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")  # device-side durations on NCCL
         start(path)
@@ -256,7 +258,7 @@ def span(name: str, **args: Any) -> Iterator[None]:
 def _rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    return env_vars.read("RANK") or 0
 
 
 def rank_path(path: str, rank: int) -> str:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 
 import torch
 import torch.distributed as dist
+
+from nnscaler import env_vars
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -52,14 +53,8 @@ def as_timedelta(value: datetime.timedelta | float | int, what: str) -> datetime
 
 
 def _from_env(var: str, default: datetime.timedelta) -> datetime.timedelta:
-    raw = os.environ.get(var, "").strip()
-    if not raw:
-        return default
-    try:
-        seconds = float(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {var}={raw!r} must be a number of seconds") from None
-    return as_timedelta(seconds, f"environment variable {var}")
+    seconds = env_vars.read(var)  # ConfigError (a ValueError) naming the variable when bad
+    return default if seconds is None else as_timedelta(seconds, f"environment variable {var}")
 
 
 def collective_timeout(value: datetime.timedelta | float | None = None) -> datetime.timedelta:

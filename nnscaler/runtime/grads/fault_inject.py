@@ -15,16 +15,18 @@ corrupted just before it is aggregated, after it holds the rank's (accumulated) 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
+from nnscaler import env_vars
+from nnscaler.env_vars import FAULT_KINDS
 from nnscaler.errors import ConfigError
 
-__all__ = ["FAULT_ENV", "FAULT_KINDS", "FaultInjector", "from_env"]
+__all__ = ["FAULT_ENV", "FAULT_KINDS", "FaultInjector", "from_env", "refuse_if_set"]
 
 FAULT_ENV = "NNSCALER_FAULT_INJECT"
-FAULT_KINDS = ("sign_flip", "noise", "nan", "stuck")
 
 
 @dataclass
@@ -58,37 +60,42 @@ class FaultInjector:
             values.copy_(self._stuck[key])
 
 
-def _parse(text: str) -> dict[str, str]:
-    out = {}
-    for part in text.split(","):
-        key, sep, value = part.strip().partition("=")
-        if not sep or not key:
-            raise ConfigError(
-                f"${FAULT_ENV}={text!r}: expected comma-separated key=value pairs, got {part!r}"
-            )
-        out[key.strip()] = value.strip()
-    return out
+def from_env(
+    rank: int,
+    environ: Mapping[str, str] | None = None,
+    *,
+    world_size: int | None = None,
+    replicas: bool = True,
+) -> FaultInjector | None:
+    """The injector for global `rank` from $NNSCALER_FAULT_INJECT; None when unset or for another rank.
 
-
-def from_env(rank: int, environ: dict[str, str] | None = None) -> FaultInjector | None:
-    """The injector for global `rank` from $NNSCALER_FAULT_INJECT; None when unset or for another rank."""
-    text = (os.environ if environ is None else environ).get(FAULT_ENV, "").strip()
-    if not text:
+    The spec is checked by nnscaler.env_vars; here, where the run is known, a spec that cannot fire is
+    refused (ConfigError): a named rank outside `range(world_size)`, or a run without data-parallel
+    replicas (`replicas=False`: nothing is aggregated, so a drill there would pass without testing)."""
+    spec = env_vars.read(FAULT_ENV, environ)
+    if spec is None:
         return None
-    spec = _parse(text)
-    unknown = sorted(set(spec) - {"rank", "kind", "scale", "every", "start"})
-    if unknown or "rank" not in spec or spec.get("kind") not in FAULT_KINDS:
+    text = (os.environ if environ is None else environ)[FAULT_ENV]
+    if not replicas:
+        refuse_if_set(
+            "this run has no data-parallel replicas (runtime_ngpus == plan_ngpus): no gradient is "
+            "aggregated across replicas. Run with runtime_ngpus a multiple (> 1) of plan_ngpus",
+            environ,
+        )
+    if world_size is not None and max(spec["ranks"]) >= world_size:
         raise ConfigError(
-            f"${FAULT_ENV}={text!r}: give rank=<global rank>,kind=<{'|'.join(FAULT_KINDS)}> and optionally "
-            f"scale=<float>,every=<steps>,start=<step>" + (f" (unknown keys {unknown})" if unknown else "")
+            f"${FAULT_ENV}={text!r} names rank {max(spec['ranks'])}, but this run has {world_size} ranks "
+            f"(0..{world_size - 1}): name a rank the run has, or unset it"
         )
-    try:
-        ranks = {int(r) for r in spec["rank"].split("+")}
-        inj = FaultInjector(
-            spec["kind"], float(spec.get("scale", 1)), int(spec.get("every", 1)), int(spec.get("start", 0))
+    if rank not in spec["ranks"]:
+        return None
+    return FaultInjector(spec["kind"], spec["scale"], spec["every"], spec["start"])
+
+
+def refuse_if_set(why: str, environ: Mapping[str, str] | None = None) -> None:
+    """ConfigError when $NNSCALER_FAULT_INJECT is set on a run where it cannot fire (`why` says why)."""
+    if env_vars.is_set(FAULT_ENV, environ):
+        text = (os.environ if environ is None else environ)[FAULT_ENV]
+        raise ConfigError(
+            f"${FAULT_ENV}={text!r} is set, but the drill would corrupt nothing: {why}; or unset it"
         )
-    except ValueError as err:
-        raise ConfigError(f"${FAULT_ENV}={text!r}: {err}") from None
-    if inj.every < 1:
-        raise ConfigError(f"${FAULT_ENV}={text!r}: every must be >= 1")
-    return inj if rank in ranks else None

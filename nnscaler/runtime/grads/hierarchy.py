@@ -14,13 +14,14 @@ CUDA; equal on CPU, where the flat ring wins).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from nnscaler import env_vars
+from nnscaler.errors import ConfigError
 from nnscaler.mesh import ParallelDims
 from nnscaler.runtime.dist.groups import create_groups, get_group
 
@@ -53,11 +54,13 @@ class Hierarchy:
 def node_size(world_size: int) -> int:
     """Ranks per node: $NNSCALER_NODE_SIZE, else $LOCAL_WORLD_SIZE (torchrun), else `world_size`."""
     for var in ("NNSCALER_NODE_SIZE", "LOCAL_WORLD_SIZE"):
-        value = os.environ.get(var)
-        if value:
-            size = int(value)
-            if size < 1 or world_size % size:
-                raise ValueError(f"${var}={value} must be a positive divisor of the world size {world_size}")
+        size = env_vars.read(var)  # a positive int, else ConfigError
+        if size:
+            if world_size % size:
+                raise ConfigError(
+                    f"environment variable {var}={size} must be a positive divisor of the world size {world_size}: "
+                    "set it to the ranks per node, or unset it"
+                )
             return size
     return world_size
 
@@ -101,8 +104,8 @@ def worth_it(nbytes: float, g: int, m: int, intra_gbps: float, inter_gbps: float
 
 def _bandwidths() -> tuple[float, float]:
     cuda = torch.cuda.is_available()
-    intra = float(os.environ.get("NNSCALER_INTRA_NODE_GBPS", 300.0 if cuda else 10.0))
-    inter = float(os.environ.get("NNSCALER_INTER_NODE_GBPS", 50.0 if cuda else 10.0))
+    intra = env_vars.read("NNSCALER_INTRA_NODE_GBPS") or (300.0 if cuda else 10.0)
+    inter = env_vars.read("NNSCALER_INTER_NODE_GBPS") or (50.0 if cuda else 10.0)
     return intra, inter
 
 

@@ -452,6 +452,7 @@ def build_reducer(
     same point, in the same order. `deferred`, `groups`: see `Reducer`.
     """
     if dp_group is None:
+        from_env(rank, world_size=world_size, replicas=False)  # refuses a fault drill that cannot fire
         return None
     zero_group = cross_group = None
     stage = 1
@@ -484,7 +485,7 @@ def build_reducer(
         deferred=deferred,
         hierarchy=hierarchy,
         robust=robust,
-        fault=from_env(rank),
+        fault=from_env(rank, world_size=world_size),
         groups=groups,
     )
     if summed:

@@ -17,6 +17,7 @@ from nnscaler.errors import ConfigError
 from nnscaler.runtime.device import runtime_device
 from nnscaler.runtime.dist.groups import create_host_groups, get_group, get_host_group
 from nnscaler.runtime.grads.autotune import BucketAutotuner
+from nnscaler.runtime.grads.fault_inject import refuse_if_set
 from nnscaler.runtime.grads.reducer import (
     Reducer,
     build_reducer,
@@ -143,6 +144,7 @@ class GradientsMixin:
                 "which needs data-parallel replicas and not ZeRO 3: generate it again for this ComputeConfig"
             )
         if cfg is not None and cfg.use_zero and getattr(cfg, "zero_stage", 1) == 3:
+            refuse_if_set("ZeRO stage 3 has no fault drill: run it with zero_stage 1 or 2")
             return build_zero3(self)
         cap = None
         if getattr(cfg, "reducer_bucket_autotune", False) and self.group("dp") is not None:
