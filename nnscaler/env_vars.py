@@ -20,7 +20,7 @@ from typing import Any
 
 from nnscaler.errors import ConfigError
 
-__all__ = ["EnvVar", "REGISTRY", "FAULT_KINDS", "read", "is_set"]
+__all__ = ["EnvVar", "REGISTRY", "FAULT_KINDS", "read", "raw", "is_set"]
 
 FAULT_KINDS = ("sign_flip", "noise", "nan", "stuck")
 """The corruptions of NNSCALER_FAULT_INJECT (nnscaler.runtime.grads.fault_inject)."""
@@ -229,6 +229,12 @@ def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
     """Whether registered variable `name` is set to a non-empty value."""
     REGISTRY[name]  # noqa: B018 (an unregistered name is a programming error)
     return bool((os.environ if environ is None else environ).get(name, "").strip())
+
+
+def raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The text of registered variable `name` as set (stripped; None when unset or empty), for messages."""
+    REGISTRY[name]  # noqa: B018 (an unregistered name is a programming error)
+    return (os.environ if environ is None else environ).get(name, "").strip() or None
 
 
 def read(name: str, environ: Mapping[str, str] | None = None) -> Any:

@@ -14,7 +14,6 @@ corrupted just before it is aggregated, after it holds the rank's (accumulated) 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -75,7 +74,7 @@ def from_env(
     spec = env_vars.read(FAULT_ENV, environ)
     if spec is None:
         return None
-    text = (os.environ if environ is None else environ)[FAULT_ENV]
+    text = env_vars.raw(FAULT_ENV, environ)
     if not replicas:
         refuse_if_set(
             "this run has no data-parallel replicas (runtime_ngpus == plan_ngpus): no gradient is "
@@ -95,7 +94,7 @@ def from_env(
 def refuse_if_set(why: str, environ: Mapping[str, str] | None = None) -> None:
     """ConfigError when $NNSCALER_FAULT_INJECT is set on a run where it cannot fire (`why` says why)."""
     if env_vars.is_set(FAULT_ENV, environ):
-        text = (os.environ if environ is None else environ)[FAULT_ENV]
+        text = env_vars.raw(FAULT_ENV, environ)
         raise ConfigError(
             f"${FAULT_ENV}={text!r} is set, but the drill would corrupt nothing: {why}; or unset it"
         )
