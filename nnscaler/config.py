@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
 from nnscaler import env_vars
+from nnscaler.config_checks import check_applies, check_types
 from nnscaler.errors import ConfigError
 from nnscaler.mesh import ParallelDims
 
@@ -152,6 +153,7 @@ class ComputeConfig:
     it was at. None or 0: no limit (a model whose shape guards are slow for sympy may trace for minutes)."""
 
     def __post_init__(self) -> None:
+        check_types(self, [f.name for f in fields(self)])
         if not isinstance(self.plan_ngpus, int) or self.plan_ngpus <= 0:
             raise ConfigError(f"ComputeConfig.plan_ngpus must be a positive int, got {self.plan_ngpus!r}")
         if self.runtime_ngpus is None:
@@ -177,8 +179,6 @@ class ComputeConfig:
             )
         if self.zero_ngroups < 1:
             raise ConfigError(f"ComputeConfig.zero_ngroups must be >= 1, got {self.zero_ngroups!r}")
-        if not self.use_zero and self.zero_ngroups != 1:
-            object.__setattr__(self, "zero_ngroups", 1)
         if self.inference_only and self.use_zero:
             raise ConfigError(
                 "ComputeConfig(inference_only=True) has no gradients or optimizer state for ZeRO to shard: "
@@ -217,6 +217,7 @@ class ComputeConfig:
                 "ComputeConfig.trace_time_budget_s must be a number of seconds >= 0 (None or 0: no limit), "
                 f"got {budget!r}"
             )
+        check_applies(self)
 
     def _check_grad_aggregation(self) -> None:
         """`grad_aggregation`, `byzantine_b` and Zeno's knobs: known values, enough replicas, a supported setup."""

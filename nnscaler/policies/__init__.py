@@ -10,6 +10,7 @@ from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
 from nnscaler.graph.ops import annotate_node, get_rule, layouts_for, mesh_layouts_for
 from nnscaler.policies.builtin import pas_autodist, pas_data, pas_dp
+from nnscaler.policies.option_checks import check_pas_config
 from nnscaler.policies.pipeline import check_end2end_loss, pas_hybrid, pas_pp, validate_pipeline
 from nnscaler.policies.plan import REPLICATE, NodePlan, PipelinePlan, Plan
 from nnscaler.policies.recompute import recompute_paths
@@ -92,6 +93,7 @@ def _validate_mesh_split(graph: Graph, plan: Plan, node, np) -> None:
 
 def make_plan(graph: Graph, policy: str | Policy, cfg: ComputeConfig) -> Plan:
     name, fn = resolve_policy(policy)
+    check_pas_config(fn, cfg, graph)  # built-in policies: refuse values that cannot apply (issue 41)
     if cfg.use_end2end:
         check_end2end_loss(graph)
     plan = fn(graph, cfg)

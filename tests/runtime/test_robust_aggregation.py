@@ -91,8 +91,7 @@ def _one_case(rank: int, world: int, plan: int, mode: str, b: int, stage: int, f
         use_zero=stage > 0,
         zero_stage=max(stage, 1),
         reducer_bucket_cap_mb=TINY_MB,
-        zeno_gamma=GAMMA,
-        zeno_rho=RHO,
+        **({"zeno_gamma": GAMMA, "zeno_rho": RHO} if mode == "zeno" else {}),  # read only by zeno
     )
     pm = Gen(rank, world, plan, init_params=False)
     pm.compute_config = cfg

@@ -78,7 +78,14 @@ def _run(rank: int, world: int, mode: str, fault: str | None, steps: int, **cfg:
     if fault:
         os.environ[FAULT_ENV] = fault
     pm = Lin(rank, world)
-    pm.compute_config = ComputeConfig(1, world, use_end2end=True, grad_aggregation=mode, zeno_gamma=LR, **cfg)
+    pm.compute_config = ComputeConfig(
+        1,
+        world,
+        use_end2end=True,
+        grad_aggregation=mode,
+        **({"zeno_gamma": LR} if mode == "zeno" else {}),
+        **cfg,
+    )
     opt = build_optimizer(pm, torch.optim.SGD, lr=LR)
     held = _batch(999, 256)
     with torch.no_grad():
