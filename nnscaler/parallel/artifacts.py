@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ __all__ = [
     "sha256",
     "verified_code",
     "LOAD_HINT",
+    "is_generated_name",
+    "stale_code_files",
 ]
 
 ARTIFACTS_KEY = "artifacts"
@@ -56,6 +59,29 @@ CODE_SUPPORT_FILES = (COMPUTE_CONFIG_FILE, CONSTANTS_FILE)
 """Files a rank reads besides its gencode to construct its module (verified with it)."""
 
 _ALWAYS = (PLAN_FILE, GRAPH_FILE, COMPUTE_CONFIG_FILE)
+_GENERATED = re.compile(
+    r"gencode\d+\.py|fullmodel\.pt(\.\d+)?|fingerprint\.json|graph\.json|plan\.json|compute_config\.json"
+    r"|constants\.pt|plan_report\.md"
+)
+
+
+def is_generated_name(name: str) -> bool:
+    """Whether `name` is one nnscaler writes into an output directory (`gencode3.py`, `plan.json`, ...).
+
+    Only such files are ever removed or replaced by the compile and by the broadcast of generated
+    files; any other file a user keeps there (`notes.txt`, `gencode_old.py`) is left alone.
+    """
+    return _GENERATED.fullmatch(name) is not None
+
+
+def stale_code_files(outdir: Path, runtime_ngpus: int) -> list[Path]:
+    """`gencode{rank}.py` files of ranks a compile for `runtime_ngpus` ranks does not have."""
+    out = []
+    for path in outdir.glob("gencode*.py"):
+        m = re.fullmatch(r"gencode(\d+)\.py", path.name)
+        if m and int(m.group(1)) >= runtime_ngpus and path.is_file():
+            out.append(path)
+    return sorted(out)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from nnscaler.codegen import write_atomic
 from nnscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
 from nnscaler.errors import ConfigError
 from nnscaler.graph.capture.export import taken_forward_args
-from nnscaler.parallel.artifacts import read_saved, torch_bytes, verified_code
+from nnscaler.parallel.artifacts import is_generated_name, read_saved, torch_bytes, verified_code
 from nnscaler.parallel.compile import compile_module
 from nnscaler.parallel.dirlock import compile_lock
 from nnscaler.parallel.fingerprint import fingerprint
@@ -109,18 +109,22 @@ def _broadcast_files(outdir: Path, strategy: BroadcastGenFilesStrategy) -> None:
     CODE: what a rank needs to import and construct its module (`gencode*.py`, `compute_config.json`,
     `constants.pt`, and `fingerprint.json`, which records their sha256); NONE: nothing. One rank per
     machine (LOCAL_RANK 0) writes; files of the sent kinds that rank 0 does not have are removed
-    there, so no stale file survives.
+    there, so no stale file survives. Only names nnscaler writes are sent or removed
+    (`is_generated_name`): a user's own files in the directory stay as they are on every machine.
     """
     if strategy == BroadcastGenFilesStrategy.NONE or not _distributed():
         return
     rank = _rank()
-    names = [[p.name for p in generated_files(outdir) if _selected(p.name, strategy)] if rank == 0 else None]
+    mine = [
+        p.name for p in generated_files(outdir) if is_generated_name(p.name) and _selected(p.name, strategy)
+    ]
+    names = [mine if rank == 0 else None]
     dist.broadcast_object_list(names, src=0)
     writer = rank != 0 and _is_node_leader()
     if writer:
         outdir.mkdir(parents=True, exist_ok=True)
         for old in generated_files(outdir):
-            if _selected(old.name, strategy) and old.name not in names[0]:
+            if is_generated_name(old.name) and _selected(old.name, strategy) and old.name not in names[0]:
                 old.unlink()
     for name in names[0]:
         data = [(outdir / name).read_bytes() if rank == 0 else None]

@@ -32,6 +32,7 @@ from nnscaler.parallel.artifacts import (
     read_saved,
     read_verified,
     record_artifacts,
+    stale_code_files,
 )
 from nnscaler.parallel.fingerprint import check_graph, describe_differences
 from nnscaler.parallel.savedir import CONSTANTS_FILE, FINGERPRINT_FILE, GRAPH_FILE
@@ -125,12 +126,10 @@ def start_generation(outdir: Path) -> None:
 
 
 def finish_generation(outdir: Path, fp: dict[str, Any], cfg: ComputeConfig) -> None:
-    """Drop code for ranks this config does not have, then write the fingerprint (last) with the
-    sha256 of every file the compile wrote."""
-    for stale in outdir.glob("gencode*.py"):
-        rank = stale.name[len("gencode") : -len(".py")]
-        if not (rank.isdigit() and int(rank) < cfg.runtime_ngpus):
-            stale.unlink()
+    """Drop code for ranks this config does not have (`gencode{rank}.py` only: other files are the
+    user's), then write the fingerprint (last) with the sha256 of every file the compile wrote."""
+    for stale in stale_code_files(outdir, cfg.runtime_ngpus):
+        stale.unlink(missing_ok=True)
     names = artifact_names(outdir, cfg.runtime_ngpus)
     data = dict(fp, **{ARTIFACTS_KEY: record_artifacts(outdir, names)})
     write_atomic(outdir / FINGERPRINT_FILE, json.dumps(data, indent=1))

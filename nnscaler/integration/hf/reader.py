@@ -26,6 +26,13 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+def _unreadable(target: Path, err: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"load_pretrained: {target} cannot be read ({type(err).__name__}: {err}); the file is truncated or "
+        "damaged: copy or export the checkpoint again"
+    )
+
+
 class HFCheckpoint:
     """A checkpoint directory of safetensors files, opened lazily (use as a context manager)."""
 
@@ -37,7 +44,13 @@ class HFCheckpoint:
             )
         index = self.path / INDEX_FILE
         if index.exists():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            try:
+                weight_map = json.loads(index.read_text()).get("weight_map")
+            except (ValueError, AttributeError) as err:
+                raise CheckpointError(
+                    f"load_pretrained: {index} cannot be read ({err}); it is truncated or damaged: export the "
+                    "checkpoint again, or remove the index to read a single model.safetensors"
+                ) from err
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"load_pretrained: {index} has no 'weight_map'")
             self.file_of: dict[str, str] = dict(weight_map)
@@ -67,14 +80,27 @@ class HFCheckpoint:
             target = self.path / file
             if not target.exists():
                 raise CheckpointError(f"load_pretrained: {target} is named in {INDEX_FILE} but missing")
-            self._open[file] = self._stack.enter_context(safe_open(str(target), framework="pt", device="cpu"))
+            try:
+                handle = safe_open(str(target), framework="pt", device="cpu")
+            except Exception as err:  # safetensors' own error names no file
+                raise _unreadable(target, err) from err
+            self._open[file] = self._stack.enter_context(handle)
         return self._open[file]
 
     def keys(self) -> Iterator[str]:
         return iter(self.file_of)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.file_of[name]).get_slice(name).get_shape())
+        file = self.file_of[name]
+        try:
+            return tuple(self._handle(file).get_slice(name).get_shape())
+        except CheckpointError:
+            raise
+        except Exception as err:  # e.g. a key the index names but the file lacks
+            raise CheckpointError(
+                f"load_pretrained: {self.path / file} has no readable tensor {name!r} ({err}); the index and "
+                "its files do not match: export the checkpoint again"
+            ) from err
 
     def _take(self, piece: torch.Tensor) -> torch.Tensor:
         self.bytes_read += piece.numel() * piece.element_size()

@@ -5,30 +5,32 @@ shards): which tensors go into which safetensors file (`max_shard_size`), and wh
 distinct piece (the lowest rank holding it, so replicas send nothing twice). File by file, the
 senders hand their pieces to rank 0 (`gather_object`); rank 0 assembles the full tensors, writes the
 file and drops them, so it never holds more than one file's tensors. Under ZeRO-3 the ranks of each
-ZeRO group gather one flat buffer at a time. Rank 0 writes into a temporary directory beside `path`
-and renames it into place at the end: `path` is absent, the previous export, or complete.
+ZeRO group gather one flat buffer at a time. Rank 0 writes only the export's own files into `path`,
+each atomically, the index last, and leaves every other file there alone (`export_files`).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import nn
 
 from nnscaler.errors import CheckpointError
+from nnscaler.integration.hf.export_files import (
+    ExportPlan,
+    config_text,
+    finish_export,
+    plan_export,
+    write_tensors,
+)
 from nnscaler.integration.hf.load import CONFIG_ATTR
-from nnscaler.integration.hf.reader import INDEX_FILE, SINGLE_FILE
 from nnscaler.integration.hf.tensors import Held, Layout, gather_layout, held_tensors
-from nnscaler.runtime.checkpoint.files import barrier, fsync_dir, replace_dir
+from nnscaler.runtime.checkpoint.files import barrier
 from nnscaler.runtime.comm import _all_gather_single
 from nnscaler.runtime.device import is_initialized
 from nnscaler.runtime.shard import assemble_shards
@@ -155,24 +157,17 @@ def _gather_file(
     return {name: _assemble(name, layout.by_name[name], merged[name]) for name in names}
 
 
-def _write_file(target: Path, tensors: dict[str, torch.Tensor]) -> None:
-    save_file(tensors, str(target), metadata={"format": "pt"})
-    with open(target, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _write_meta(tmp: Path, weight_map: dict[str, str], total: int, numel: int, config: Any) -> None:
-    if len(set(weight_map.values())) > 1:
-        index = {"metadata": {"total_size": total, "total_parameters": numel}, "weight_map": weight_map}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    if config is None:
-        return
-    if hasattr(config, "save_pretrained"):
-        config.save_pretrained(str(tmp))
-    elif hasattr(config, "to_json_string"):
-        (tmp / "config.json").write_text(config.to_json_string())
-    else:
-        (tmp / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
+def _written_dtype(layout: Layout, names: dict[str, str], dtype: torch.dtype | None) -> torch.dtype | None:
+    """The floating dtype config.json states: `dtype`, else the one holding most elements written."""
+    if dtype is not None:
+        return dtype
+    count: dict[torch.dtype, int] = {}
+    for name in names:
+        meta = layout.by_name[name]
+        d = getattr(torch, meta.dtype)
+        if d.is_floating_point:
+            count[d] = count.get(d, 0) + int(torch.Size(meta.full_shape).numel())
+    return max(count, key=lambda d: count[d]) if count else None
 
 
 def _share_error(error: BaseException | None) -> None:
@@ -201,7 +196,11 @@ def save_pretrained(
     `model.safetensors`, or numbered shards and `model.safetensors.index.json`) and `config.json` from
     `config` (a PretrainedConfig or a dict), or from the `.config` of the module at `prefix` when there
     is one. Keys are the module's names without `prefix`; a tied weight is written once, under the
-    name the module registered it with. `dtype` casts the tensors on the way out. Returns `path`.
+    name the module registered it with. `dtype` casts the tensors on the way out; config.json states
+    the dtype written (`dtype`, else the floating dtype of most elements). Only the export's own files
+    are written into `path`, each atomically; the user's other files there are left alone, and shards
+    of a previous export are removed only when its index (written by nnscaler) named them. A `path`
+    that is a file is refused (CheckpointError). Returns `path`.
     """
     path = Path(path)
     limit = parse_size(max_shard_size)
@@ -213,25 +212,22 @@ def save_pretrained(
         raise CheckpointError(f"save_pretrained: the module has no tensor under prefix {prefix!r}")
     files = _plan_files(layout, names, limit, dtype)
     config = config if config is not None else find_config(module, prefix)
-    tmp, old = (
-        path.with_name(f".{path.name}.tmp-{os.getpid()}"),
-        path.with_name(f".{path.name}.old-{os.getpid()}"),
-    )
+    plan: ExportPlan | None = None
     error: BaseException | None = None
     if rank == 0:
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        except OSError as err:
+            plan = plan_export(path, len(files))
+        except Exception as err:
             error = err
+    _share_error(error)  # refused before any gather, on every rank
     local, weight_map, total, numel = _LocalPieces(held, layout), {}, 0, 0
     for k, group in enumerate(files):
         tensors = _gather_file(group, layout, local, rank, dtype)
         if tensors is None or error is not None:
             continue
-        file = SINGLE_FILE if len(files) == 1 else f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+        file = plan.files[k]
         try:
-            _write_file(tmp / file, {names[n]: t for n, t in tensors.items()})
+            write_tensors(plan, file, {names[n]: t for n, t in tensors.items()})
         except Exception as err:  # keep taking part in the gathers; raised on every rank below
             error = err
         for n, t in tensors.items():
@@ -239,13 +235,10 @@ def save_pretrained(
             total, numel = total + t.numel() * t.element_size(), numel + t.numel()
     if rank == 0 and error is None:
         try:
-            _write_meta(tmp, weight_map, total, numel, config)
-            fsync_dir(tmp)
-            replace_dir(tmp, path, old)
+            text = config_text(config, _written_dtype(layout, names, dtype))
+            finish_export(plan, weight_map, total, numel, text)
         except Exception as err:
             error = err
-    if rank == 0 and error is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
     _share_error(error)
     barrier()
     return path

@@ -3,13 +3,16 @@
 `atomic_save` writes a torch file through a temporary file (fsynced, then renamed over the target);
 `write_rank_dir` fills a directory with every rank's files under a temporary name and lets rank 0
 rename it into place once all are written, so the final name is absent, the previous checkpoint, or
-complete; `load_file` reads a file back with errors that name it. The CLI Trainer and the Lightning
+complete, and files in it that nnscaler did not write survive the replacement (`replace_dir`);
+`load_file` reads a file back with errors that name it and say what to do. The CLI Trainer and the Lightning
 strategy lay out their own directories (file names, pointers, metadata) on top of these.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -27,6 +30,7 @@ __all__ = [
     "write_fsynced",
     "atomic_save",
     "replace_dir",
+    "carry_foreign",
     "write_rank_dir",
     "load_file",
 ]
@@ -70,17 +74,99 @@ def atomic_save(obj: Any, path: str | os.PathLike, write: Writer = write_fsynced
     fsync_dir(path.parent)
 
 
+def _pattern(names: list[str]) -> re.Pattern[str]:
+    """Names of the same kind as `names`: digit runs match any digits ("0.ckpt" also matches "12.ckpt")."""
+    kinds = sorted({r"\d+".join(re.escape(p) for p in re.split(r"\d+", n)) for n in names})
+    return re.compile("|".join(f"(?:{k})" for k in kinds) or "(?!)")
+
+
+def _link_into(src: Path, dst: Path) -> None:
+    """A second name for `src` at `dst` (hard links; copies where the file system has none)."""
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(src, dst)
+
+
+def _link_or_copy(src: str | Path, dst: str | Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def carry_foreign(final: Path, tmp: Path) -> list[str]:
+    """Give every entry of `final` that nnscaler did not write a name in `tmp` too; returns them.
+
+    Ours are the names `tmp` holds and names of the same kind (digit runs aside: a `3.ckpt` of an
+    earlier run on more ranks beside the new `0.ckpt`); they are replaced or dropped with `final`.
+    """
+    if not final.is_dir() or final.is_symlink():
+        return []
+    ours = _pattern([p.name for p in tmp.iterdir()])
+    kept = []
+    for entry in sorted(final.iterdir()):
+        if not ours.fullmatch(entry.name) and not (tmp / entry.name).exists():
+            _link_into(entry, tmp / entry.name)
+            kept.append(entry.name)
+    return kept
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries atomically: Linux renameat2(RENAME_EXCHANGE) through ctypes (the
+    standard library has no binding). False where the platform or file system lacks it."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def replace_dir(tmp: Path, final: Path, old: Path) -> None:
-    """Rename the finished directory `tmp` to `final`. An existing `final` is first renamed to `old`
-    (a directory cannot be renamed over a full one) and deleted once the new one is in place."""
+    """Rename the finished directory `tmp` to `final`.
+
+    An existing `final` directory is replaced whole only in what nnscaler wrote there: every other
+    entry (a user's README.md, notes/, another tool's files) is first linked into `tmp`
+    (`carry_foreign`), so it survives byte-identical in the new `final`. Then `tmp` and `final` are
+    swapped in one atomic step where Linux allows (renameat2 RENAME_EXCHANGE) and the old directory,
+    now at `tmp`, is deleted; elsewhere `final` is renamed to `old` (a directory cannot be renamed over
+    a full one), `tmp` to `final`, and `old` is deleted (a crash between leaves `final` absent: callers
+    such as nnscaler.cli.checkpoint_recovery finish the swap).
+    A `final` that is a regular file is refused (CheckpointError): it is not a checkpoint of ours.
+    """
+    if final.is_file() and not final.is_symlink():
+        raise CheckpointError(
+            f"checkpoint directory {final} is a file; move it away or save the checkpoint under another name"
+        )
     if final.exists() or final.is_symlink():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        carry_foreign(final, tmp)
+        fsync_dir(tmp)
+        if _exchange(tmp, final):  # one atomic step: a crash leaves `final` old or new, never absent
+            old = tmp
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
     else:
         os.replace(tmp, final)
     fsync_dir(final.parent)
+
+
+def _agree(error: BaseException | None) -> None:
+    """Rank 0's error (or None) raised on every rank (a no-op without a process group)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [None if error is None else error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise error
 
 
 def write_rank_dir(
@@ -96,11 +182,26 @@ def write_rank_dir(
     """Write the directory `final` atomically; every rank calls it with its own `files` (file name ->
     object). Rank 0 creates `tmp` (remove a stale one first), every rank writes its files into it,
     then rank 0 calls `finish(tmp)` (e.g. to add a file written last) and renames `tmp` to `final`
-    (`replace_dir`, through `old`). Returns `final` once every rank is past the rename."""
+    (`replace_dir`, through `old`): files in an existing `final` that nnscaler did not write are kept.
+    A `final` that is a file is refused on every rank before anything is written. Returns `final`
+    once every rank is past the rename.
+
+    Sequence (rank 0 unless said): mkdir `tmp`; every rank: per file `.<name>.tmp-<pid>`, fsync,
+    os.replace, fsync `tmp`; `finish(tmp)`; fsync `tmp`; link foreign entries of `final` into `tmp`,
+    fsync `tmp`; rename `final` -> `old`, `tmp` -> `final`; rmtree `old`; fsync the parent.
+    """
     final, tmp, old = Path(final), Path(tmp), Path(old)
+    error: BaseException | None = None
     if rank == 0:
-        tmp.mkdir(parents=True)
-    barrier()
+        try:
+            if final.is_file() and not final.is_symlink():
+                raise CheckpointError(
+                    f"checkpoint directory {final} is a file; move it away or save the checkpoint under another name"
+                )
+            tmp.mkdir(parents=True)
+        except (OSError, CheckpointError) as err:
+            error = err
+    _agree(error)
     for name, obj in files.items():
         atomic_save(obj, tmp / name, write)
     barrier()
@@ -113,12 +214,15 @@ def write_rank_dir(
     return final
 
 
-def load_file(path: str | os.PathLike) -> Any:
-    """torch.load a checkpoint file onto the CPU (weights_only=False: checkpoints hold training
+def load_file(path: str | os.PathLike, *, weights_only: bool = False) -> Any:
+    """torch.load a checkpoint file onto the CPU (weights_only=False by default: checkpoints hold training
     arguments and random states besides tensors); CheckpointError naming the path if it cannot."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
     except Exception as err:
-        raise CheckpointError(f"checkpoint file {path} cannot be read: {err}") from err
+        raise CheckpointError(
+            f"checkpoint file {path} cannot be read ({type(err).__name__}: {err}); it is truncated, damaged "
+            "or not a torch checkpoint: load an earlier checkpoint, or save this one again"
+        ) from err

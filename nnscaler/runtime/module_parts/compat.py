@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nnscaler.runtime.checkpoint.files import atomic_save
+from nnscaler.runtime.checkpoint.files import atomic_save, load_file
 from nnscaler.runtime.checkpoint.formats import EXTRA_STATE_FORMAT, EXTRA_STATE_KEY, OPTIMIZER_META_KEY
 
 __all__ = ["ModuleCompatMixin", "ParamsInfo"]
@@ -135,7 +135,7 @@ class ModuleCompatMixin:
         )
         if not files:
             raise FileNotFoundError(f"merge_checkpoints: no {filename_prefix}-<rank>.ckpt files")
-        ckpts = [torch.load(f, map_location="cpu", weights_only=True) for _, f in files]
+        ckpts = [load_file(f, weights_only=True) for _, f in files]  # errors name the file
         opts = [c["optim_state_dict"] for c in ckpts]
         model, opt = merge_state_dicts(
             [c["state_dict"] for c in ckpts], opts if all(o is not None for o in opts) else None
