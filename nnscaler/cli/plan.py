@@ -17,18 +17,19 @@ import sys
 from pathlib import Path
 
 from nnscaler.cli.model_builder import build_model
+from nnscaler.cli.plan_checks import (
+    EXIT_USAGE,
+    FlagError,
+    FlagParser,
+    check_cluster_fit,
+    check_flags,
+    parse_mesh,
+    parse_sizes,
+)
+from nnscaler.errors import ConfigError, PlanError
 from nnscaler.graph.capture import capture
 
 __all__ = ["main"]
-
-
-def _parse_sizes(spec: str) -> dict[str, int]:
-    try:
-        return {k.strip(): int(v) for k, v in (item.split("=") for item in spec.split(",") if item.strip())}
-    except ValueError:
-        raise SystemExit(
-            f"--at {spec!r}: give NAME=SIZE pairs separated by commas, e.g. idx_size0=16"
-        ) from None
 
 
 def _at_sizes(graph, result, specs: list[str]) -> str:
@@ -41,7 +42,7 @@ def _at_sizes(graph, result, specs: list[str]) -> str:
 
     lines = [f"\nForward FLOPs of one call: {flops_expr(graph)}\n"]
     for spec in specs:
-        resized = graph_at_sizes(graph, _parse_sizes(spec))
+        resized = graph_at_sizes(graph, parse_sizes(spec))
         setup = replace(result.setup, traced_batch=traced_batch_size(resized))
         cand = evaluate_any_plan(resized, setup, result.plan)
         fits = "fits" if cand.memory <= setup.mem_limit else "does NOT fit"
@@ -50,19 +51,6 @@ def _at_sizes(graph, result, specs: list[str]) -> str:
             f"fullest device ({fits} in {setup.mem_limit / 1e9:.1f} GB)\n"
         )
     return "".join(lines)
-
-
-def _parse_mesh(spec: str) -> list[int]:
-    """'2x4' -> [2, 4] (two or three axes, each > 1)."""
-    try:
-        mesh = [int(v) for v in spec.lower().split("x")]
-    except ValueError:
-        mesh = []
-    if len(mesh) not in (2, 3) or min(mesh) < 2:
-        raise SystemExit(
-            f"--mesh {spec!r}: give two or three axis sizes, each 2 or more, as AxB or AxBxC, e.g. 2x4"
-        )
-    return mesh
 
 
 def _mesh_line(result) -> str:
@@ -74,7 +62,7 @@ def _mesh_line(result) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m nnscaler.plan", description=__doc__.split("\n\n")[0])
+    p = FlagParser(prog="python -m nnscaler.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="dotted builder, e.g. tests.zoo.build_llama")
     p.add_argument("--hf-config", help="a transformers config.json (built on the meta device)")
     p.add_argument("--cluster", default="cpu_gloo", help="cluster YAML or shipped example name")
@@ -82,10 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-ngpus", type=int, help="fix the plan size (default: searched)")
     p.add_argument("--max-plan-ngpus", type=int, help="largest plan size to try")
     p.add_argument("--batch", type=int, default=4, help="global batch of one micro-step")
-    p.add_argument("--seq", type=int, default=2048, help="sequence length (with --hf-config)")
+    p.add_argument("--seq", type=int, help="sequence length (with --hf-config; default 2048)")
     p.add_argument("--nmicros", type=int, help="micro-batches per step (default: searched)")
     p.add_argument("--no-pipeline", action="store_true", help="do not consider pipeline stages")
-    p.add_argument("--zero", type=int, default=None, help="ZeRO stage to assume (0-3)")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage to assume (default: searched)")
     p.add_argument("--bf16", action="store_true", help="cost as bf16 training")
     p.add_argument("--mem", type=float, help="GB per device a plan may use")
     p.add_argument("--recompute", help="recompute_modules")
@@ -101,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mesh",
-        type=_parse_mesh,
+        type=parse_mesh,
         metavar="AxB[xC]",
         help="pin the mesh of a stage's devices (pas_config['tp_mesh']; the plan size defaults to the "
         "product of the axes); "
@@ -111,17 +99,37 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Plan and print; 0 on success, 2 (one line on stderr naming the flag) for a refused value."""
     from nnscaler.policies.autodist import load_cluster
-    from nnscaler.policies.autodist.offline import plan_offline
-    from nnscaler.policies.autodist.plan_files import save_plan
-    from nnscaler.policies.autodist.report import plan_report
 
     p = _parser()
     args = p.parse_args(argv)
-    if not args.model and not args.hf_config:
-        p.error("give --model or --hf-config")
-    module, inputs = build_model(args.model, args.hf_config, args.batch, args.seq)
+    try:
+        check_flags(args)
+        try:
+            cluster = load_cluster(args.cluster)
+        except ConfigError as err:
+            raise FlagError("--cluster", args.cluster, str(err)) from None
+        check_cluster_fit(args, cluster.ndevices)
+        return _plan(args, cluster)
+    except (ConfigError, PlanError) as err:  # a refused flag, or no plan: one message, no traceback
+        print(f"{p.prog}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _plan(args: argparse.Namespace, cluster) -> int:
+    from nnscaler.policies.autodist.offline import plan_offline
+    from nnscaler.policies.autodist.plan_files import save_plan
+    from nnscaler.policies.autodist.report import plan_report
+    from nnscaler.policies.autodist.symbolic import graph_at_sizes
+
+    module, inputs = build_model(args.model, args.hf_config, args.batch, args.seq or 2048)
     graph = capture(module, inputs, both_modes=False)  # planning costs the module's own mode
+    for spec in args.at:  # the size names are known now: refuse an unknown one before the search
+        try:
+            graph_at_sizes(graph, parse_sizes(spec))
+        except PlanError as err:
+            raise FlagError("--at", repr(spec), str(err)) from None
     pas = {
         "pipeline_nmicros": args.nmicros,
         "zero_stage": args.zero,
@@ -134,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         pas["recompute_modules"] = args.recompute
     if args.mesh:
         pas["tp_mesh"] = args.mesh
-    pas = {k: v for k, v in pas.items() if v not in (None, False)}
-    cluster = load_cluster(args.cluster)
+    pas = {k: v for k, v in pas.items() if v is not None and v is not False}  # --zero 0 stays
     result = plan_offline(
         graph,
         cluster,

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -25,7 +26,10 @@ from nnscaler.errors import ConfigError
 from nnscaler.policies.autodist.devices import DeviceSpec, get_device
 from nnscaler.policies.autodist.yaml_files import read_yaml
 
-__all__ = ["LinkSpec", "ClusterSpec", "load_cluster", "shipped_clusters"]
+__all__ = ["LinkSpec", "ClusterSpec", "CLUSTER_FIELDS", "load_cluster", "shipped_clusters"]
+
+CLUSTER_FIELDS = ("name", "device", "nodes", "devices_per_node", "intra_node", "inter_node", "memory_gb")
+"""The keys of a cluster file; any other key is refused."""
 
 
 @dataclass(frozen=True)
@@ -88,32 +92,62 @@ def _link(data: object, where: str) -> LinkSpec:
         raise ConfigError(
             f"cluster field {where!r} needs {{bandwidth_gbs: <GB/s>, latency_us: <us>}}, got {data!r}"
         )
-    bw = _number(data, "bandwidth_gbs", float, None, where)
-    lat = _number(data, "latency_us", float, 5.0, where)
-    if bw <= 0 or lat < 0:
+    unknown = sorted(set(data) - {"bandwidth_gbs", "latency_us"})
+    if unknown:
         raise ConfigError(
-            f"cluster field {where!r}: bandwidth_gbs must be > 0 and latency_us >= 0, got {data!r}"
+            f"cluster field {where!r} has unknown keys {unknown}: give only bandwidth_gbs and latency_us"
         )
+    bw = _number(data, "bandwidth_gbs", float, None, where, low=0.0)
+    lat = _number(data, "latency_us", float, 5.0, where, low=0.0, inclusive=True)
     return LinkSpec(bw, lat)
 
 
-def _number(data: dict, key: str, kind: type, default, where: str = ""):
-    """data[key] as an int or float (`default` where absent); ConfigError naming the field otherwise."""
+_DEVICE_LIMITS = {  # DeviceSpec figure -> (lowest, lowest allowed itself, highest)
+    "matmul_efficiency": (0.0, False, 1.0),
+    "mem_efficiency": (0.0, False, 1.0),
+    "kernel_overhead_us": (0.0, True, None),
+}
+
+
+def _number(
+    data: dict,
+    key: str,
+    kind: type,
+    default,
+    where: str = "",
+    *,
+    low: float | None = None,
+    inclusive: bool = False,
+    high: float | None = None,
+):
+    """data[key] as an int or float (`default` where absent), finite, above `low` (or equal to it when
+    `inclusive`) and at most `high`; ConfigError naming the field otherwise."""
     value = data.get(key, default)
+    field_name = f"{where}.{key}" if where else key
+    what = "an integer" if kind is int else "a number"
     try:
-        if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+        if isinstance(value, (bool, str)) or (
+            kind is int and isinstance(value, float) and not value.is_integer()
+        ):
             raise ValueError(value)
-        return kind(value)
+        number = kind(value)
     except (TypeError, ValueError):
-        field_name = f"{where}.{key}" if where else key
+        raise ConfigError(f"cluster field {field_name!r} must be {what}, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ConfigError(f"cluster field {field_name!r} must be a finite number, got {value!r}")
+    if low is not None and (number < low or (number == low and not inclusive)):
         raise ConfigError(
-            f"cluster field {field_name!r} must be {'an integer' if kind is int else 'a number'}, got {value!r}"
-        ) from None
+            f"cluster field {field_name} must be {'>=' if inclusive else '>'} {low:g}, got {value!r}: "
+            "set it to the real figure, or leave it out to take the default"
+        )
+    if high is not None and number > high:
+        raise ConfigError(f"cluster field {field_name!r} must be <= {high:g}, got {value!r}")
+    return number
 
 
 def cluster_from_dict(data: dict, name: str = "") -> ClusterSpec:
     """A ClusterSpec from a parsed YAML mapping (see the module docstring)."""
-    known = {"name", "device", "nodes", "devices_per_node", "intra_node", "inter_node", "memory_gb"}
+    known = set(CLUSTER_FIELDS)
     unknown = sorted(set(data) - known)
     if unknown:
         close = {u: difflib.get_close_matches(u, known, 1) for u in unknown}
@@ -130,18 +164,24 @@ def cluster_from_dict(data: dict, name: str = "") -> ClusterSpec:
                 f"cluster field 'device' as a mapping needs 'name' (a known kind) and only DeviceSpec fields "
                 f"{sorted(fields)}; got {dev!r}"
             )
-        figures = {k: _number(dev, k, float, None, "device") for k in dev if k != "name"}
+        figures = {k: _number(dev, k, float, None, "device", **_device_limits(k)) for k in dev if k != "name"}
         device = replace(get_device(str(dev["name"])), **figures)
     else:
         device = get_device(str(dev))
     if "memory_gb" in data:
-        device = replace(device, memory_gb=_number(data, "memory_gb", float, None))
-    nodes, per = _number(data, "nodes", int, 1), _number(data, "devices_per_node", int, 8)
-    if nodes < 1 or per < 1:
-        raise ConfigError(f"cluster nodes and devices_per_node must be >= 1, got {nodes} and {per}")
+        device = replace(device, memory_gb=_number(data, "memory_gb", float, None, low=0.0))
+    nodes = _number(data, "nodes", int, 1, low=1, inclusive=True)
+    per = _number(data, "devices_per_node", int, 8, low=1, inclusive=True)
+    if not isinstance(data.get("name", ""), str):
+        raise ConfigError(f"cluster field 'name' must be a string, got {data['name']!r}")
     intra = _link(data.get("intra_node", {"bandwidth_gbs": 450.0, "latency_us": 3.0}), "intra_node")
     inter = _link(data.get("inter_node", {"bandwidth_gbs": 50.0, "latency_us": 6.0}), "inter_node")
     return ClusterSpec(device, nodes, per, intra, inter, str(data.get("name", name)))
+
+
+def _device_limits(key: str) -> dict:
+    low, inclusive, high = _DEVICE_LIMITS.get(key, (0.0, False, None))
+    return {"low": low, "inclusive": inclusive, "high": high}
 
 
 def shipped_clusters() -> list[str]:
