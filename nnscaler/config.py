@@ -228,9 +228,13 @@ class ComputeConfig:
             )
         if not isinstance(b, int) or isinstance(b, bool) or b < 0:
             raise ConfigError(f"ComputeConfig.byzantine_b must be an int >= 0, got {b!r}")
-        if not self.zeno_gamma > 0 or not self.zeno_rho >= 0:
+        if not self.zeno_gamma > 0:
             raise ConfigError(
-                f"ComputeConfig.zeno_gamma must be > 0 and zeno_rho >= 0, got {self.zeno_gamma!r}, {self.zeno_rho!r}"
+                f"ComputeConfig.zeno_gamma must be > 0 (Zeno's trial step), got {self.zeno_gamma!r}"
+            )
+        if not self.zeno_rho >= 0:
+            raise ConfigError(
+                f"ComputeConfig.zeno_rho must be >= 0 (the norm penalty's weight), got {self.zeno_rho!r}"
             )
         if mode == "mean":
             return
