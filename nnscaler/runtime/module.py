@@ -40,6 +40,7 @@ from nnscaler.runtime.module_parts.buffers_init import BuffersInitMixin
 from nnscaler.runtime.module_parts.compat import ModuleCompatMixin
 from nnscaler.runtime.module_parts.compiled import compile_generated
 from nnscaler.runtime.module_parts.constants import load_constants
+from nnscaler.runtime.module_parts.copies import CopiesMixin
 from nnscaler.runtime.module_parts.end2end import EndToEndMixin
 from nnscaler.runtime.module_parts.grads import GradientsMixin
 from nnscaler.runtime.shard import Shard, local_shape, normalize_shard, shard_slice
@@ -94,7 +95,9 @@ def _after_forward(module: ParallelModule, args: Any, output: Any) -> None:
         module._zero3.end_forward()  # ZeRO-3: drop the gathered parameters
 
 
-class ParallelModule(GradientsMixin, ModuleCompatMixin, EndToEndMixin, BuffersInitMixin, nn.Module):
+class ParallelModule(
+    GradientsMixin, ModuleCompatMixin, EndToEndMixin, BuffersInitMixin, CopiesMixin, nn.Module
+):
     """Base class of generated code: one rank's shards of a model, plus gradient sync and checkpoints."""
 
     _nnscaler_parallel_module = True

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["experts_activation", "is_experts_module", "experts_as_op", "use_moe_op"]
+__all__ = ["ExpertsOpForward", "experts_activation", "is_experts_module", "experts_as_op", "use_moe_op"]
 
 _ACTIVATION_CLASSES = {
     "SiLU": "silu",
@@ -37,7 +37,6 @@ _ACTIVATION_CLASSES = {
     "ReLU": "relu",
 }
 _FORWARD_ARGS = ["hidden_states", "top_k_index", "top_k_weights"]
-_PATCHED = "_nnscaler_moe_op"
 
 
 def experts_activation(module: nn.Module) -> str | None:
@@ -68,24 +67,48 @@ def is_experts_module(module: nn.Module) -> bool:
     return params[:3] == _FORWARD_ARGS
 
 
-def _op_forward(module: nn.Module, capacity_factor: float | None):
-    from nnscaler.runtime.moe.op import moe_experts  # registers the op
+class ExpertsOpForward:
+    """An experts module's forward through `moe_experts`, installed as its instance `forward`.
 
-    act = experts_activation(module)
+    An object holding its module, not a closure: `copy.deepcopy` and `pickle` copy the reference along
+    with the module (the module is in their memo first), so a copy of the model runs its own experts'
+    weights and its gradients land on them. A closure would be copied by reference (functions are
+    atomic to deepcopy and cannot be pickled) and keep computing with the original's."""
 
-    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    def __init__(self, module: nn.Module, capacity_factor: float | None):
+        self.module = module
+        self.capacity_factor = capacity_factor
+
+    def __call__(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        from nnscaler.runtime.moe.op import moe_experts  # registers the op
+
+        module = self.module
         return moe_experts(
             hidden_states,
             top_k_index,
             top_k_weights,
             module.gate_up_proj,
             module.down_proj,
-            act,
-            capacity_factor,
+            experts_activation(module),
+            self.capacity_factor,
         )
 
-    forward.__dict__[_PATCHED] = capacity_factor
-    return forward
+    def __repr__(self) -> str:
+        return f"ExpertsOpForward({type(self.module).__name__}, capacity_factor={self.capacity_factor})"
+
+
+def _op_forward(module: nn.Module, capacity_factor: float | None) -> ExpertsOpForward:
+    from nnscaler.runtime.moe.op import moe_experts  # noqa: F401 - registers the op before capture
+
+    return ExpertsOpForward(module, capacity_factor)
+
+
+def _switched(module: nn.Module) -> bool:
+    """Whether `use_moe_op` switched this module (its own forward is an ExpertsOpForward of itself)."""
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, ExpertsOpForward) and forward.module is module
 
 
 def _experts_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -115,7 +138,7 @@ def experts_as_op(model: nn.Module) -> Iterator[list[str]]:
     names = []
     for name, sub in _experts_modules(model):
         names.append(name)
-        if _PATCHED in getattr(sub.forward, "__dict__", {}):
+        if _switched(sub):
             continue
         switched.append((sub, sub.__dict__.get("forward")))
         sub.forward = _op_forward(sub, None)

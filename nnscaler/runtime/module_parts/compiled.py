@@ -11,12 +11,13 @@ torch release cannot trace one, dynamo breaks the graph there and runs it eagerl
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
 import torch
 
-__all__ = ["STAGE_METHOD", "compile_options", "compiled_methods", "compile_generated"]
+__all__ = ["STAGE_METHOD", "CompiledMethod", "compile_options", "compiled_methods", "compile_generated"]
 
 STAGE_METHOD = re.compile(r"stage\d+")
 """Names of the generated pipeline stage methods."""
@@ -39,14 +40,49 @@ def compiled_methods(module: torch.nn.Module) -> list[str]:
     return ["forward", *stages]
 
 
+class CompiledMethod:
+    """`torch.compile` of the generated class's method `name`, bound to `module`: installed as the
+    instance attribute of that name.
+
+    An object holding its module, not the compiled function itself: that function closes over the
+    method bound to this instance, and `copy.deepcopy` (functions are atomic to it) would give a copy
+    whose forward runs the original's weights, while `pickle` cannot save it at all. Copied or
+    unpickled, it compiles again for the module it now belongs to (dynamo's cache is per function)."""
+
+    def __init__(self, module: torch.nn.Module, name: str, options: dict[str, Any]):
+        self.module = module
+        self.name = name
+        self.options = options
+        self._compiled: Any = None
+
+    @property
+    def __wrapped__(self) -> Any:
+        """The generated method bound to the module (not this attribute): `inspect.signature` reads it."""
+        return getattr(type(self.module), self.name).__get__(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compiled is None:
+            self._compiled = torch.compile(self.__wrapped__, **self.options)
+        return self._compiled(*args, **kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"module": self.module, "name": self.name, "options": self.options, "_compiled": None}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CompiledMethod:
+        return CompiledMethod(copy.deepcopy(self.module, memo), self.name, copy.deepcopy(self.options, memo))
+
+    def __repr__(self) -> str:
+        return f"CompiledMethod({type(self.module).__name__}.{self.name}, {self.options})"
+
+
 def compile_generated(module: torch.nn.Module, value: bool | dict[str, Any] | None) -> list[str]:
     """Replace this instance's `forward` / `stage{k}` by their `torch.compile`d versions (compiled
-    lazily, on the first call). Returns the wrapped names (empty when `value` says not to compile)."""
+    lazily, on the first call; `CompiledMethod`). Returns the wrapped names (empty when `value` says
+    not to compile)."""
     options = compile_options(value)
     if options is None:
         return []
     names = compiled_methods(module)
     for name in names:
-        bound = getattr(module, name)
-        object.__setattr__(module, name, torch.compile(bound, **options))
+        object.__setattr__(module, name, CompiledMethod(module, name, options))
     return names
