@@ -27,6 +27,7 @@ from nnscaler.parallel.unsplit import UnsplitWeight, unsplit_summary, unsplit_we
 from nnscaler.partition.apply_plan import apply_plan
 from nnscaler.partition.pipeline import apply_pipeline
 from nnscaler.policies import make_plan
+from nnscaler.runtime.module_parts.compiled import compile_options
 
 __all__ = ["CompileResult", "compile_module", "CONSTANTS_FILE"]
 
@@ -163,6 +164,8 @@ def _graph_for(
         leaf_modules=list(policy.leaf_modules),  # submodules run eagerly as one op
         auto_leaf_modules=policy.auto_leaf_modules,
         trace_time_budget_s=cfg.trace_time_budget_s,  # past it: sizes fixed, with a warning
+        # compiled, forward's Python side effects (`self.calls += 1`) are refused, not just warned about
+        refuse_side_effects="ComputeConfig.torch_compile" if compile_options(cfg.torch_compile) else None,
     )
     write_atomic(graph_file, graph_to_json(graph))
     _save_constants(graph_file.parent, graph)

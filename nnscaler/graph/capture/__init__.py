@@ -41,6 +41,7 @@ def capture(
     auto_leaf_modules: bool = True,
     constant_folding: bool = False,
     trace_time_budget_s: float | None = 30.0,
+    refuse_side_effects: str | None = None,
 ) -> Graph:
     """Trace `module(**dummy_forward_args)` into a Graph without touching its weights.
 
@@ -59,8 +60,10 @@ def capture(
     tracing with sizes left open (both modes, leaf retries, constant folding's retry): past it, the
     module is traced again with every size fixed and a TraceBudgetWarning names the line the trace was
     at (graph/capture/budget.py).
+    `refuse_side_effects` (the setting, e.g. 'ComputeConfig.torch_compile'): forward changing plain model
+    attributes raises a ConfigError naming them, instead of a SideEffectWarning (capture/side_effects.py).
     """
-    options = (both_modes, tuple(leaf_modules), auto_leaf_modules)
+    options = (both_modes, tuple(leaf_modules), auto_leaf_modules, refuse_side_effects)
     if static_shapes:
         return _capture(module, dummy_forward_args, True, *options)
     open_sizes = lambda: _open_sizes(module, dummy_forward_args, constant_folding, options)  # noqa: E731
@@ -90,6 +93,7 @@ def _capture(
     both_modes: bool,
     leaf_modules: Sequence[str],
     auto_leaf_modules: bool,
+    refuse_side_effects: str | None = None,
 ) -> Graph:
     forward_args = check_forward_args(module, dummy_forward_args)
     kwargs = {k: dummy_forward_args[k] for k in forward_args}
@@ -104,7 +108,7 @@ def _capture(
     with (
         experts_as_op(module),
         opaque_autograd_functions(),
-        watch_side_effects(module),
+        watch_side_effects(module, refuse=refuse_side_effects),
         trace_value_checks(),
         ctc_loss_shapes(),
     ):
