@@ -9,7 +9,8 @@ afresh moves an earlier run's checkpoints into `earlier_runs/{UTC time}/` (`arch
 Atomicity: every rank writes its file into `.tmp-{name}/` (temporary file, fsync, rename); after a
 barrier rank 0 writes `complete.json`, fsyncs, renames the directory to `{name}` and only then
 repoints `last` (built under `.last.new`, then swapped in). A process killed at any point leaves the
-previous checkpoint and `last` usable; stale `.tmp-*` directories are removed by the next save.
+previous checkpoint and `last` usable; what it left (`.tmp-*` directories, a pointer half swapped, a
+prune half done) is put right and reported by the next resume or save (nnscaler.cli.checkpoint_recovery).
 The atomic writing is the runtime's (nnscaler.runtime.checkpoint.files); this module keeps the
 Trainer's layout: file names, `complete.json`, pointers and pruning.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from nnscaler.cli.checkpoint_pointers import POINTERS, point, pointer_entries, pointer_path, pointer_target
+from nnscaler.cli.checkpoint_recovery import PRUNED_PREFIX, is_step_name, recover_save_dir
 from nnscaler.errors import CheckpointError
 from nnscaler.runtime.checkpoint.files import (
     atomic_save,
@@ -53,6 +55,7 @@ __all__ = [
     "step_dirs",
     "barrier",
     "atomic_torch_save",
+    "recover_save_dir",
 ]
 
 COMPLETE_FILE = "complete.json"
@@ -88,8 +91,7 @@ def write_checkpoint_dir(
     save_dir = Path(save_dir)
     if rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
-        for stale in save_dir.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        recover_save_dir(save_dir)  # what an interrupted save left: removed (or finished), with a warning
 
     def finish(tmp: Path) -> None:
         (tmp / COMPLETE_FILE).write_text(json.dumps(info, indent=1, sort_keys=True))
@@ -105,11 +107,6 @@ def write_checkpoint_dir(
     )
 
 
-def _is_step_name(name: str) -> bool:
-    parts = name.split("-")
-    return len(parts) == 2 and all(p.isdigit() for p in parts)
-
-
 def step_dirs(save_dir: Path) -> list[Path]:
     """The complete `{epoch}-{step}` checkpoint directories directly under `save_dir` (not those of
     `earlier_runs/`), oldest first (by step)."""
@@ -118,7 +115,7 @@ def step_dirs(save_dir: Path) -> list[Path]:
         return []
     found = []
     for d in save_dir.iterdir():
-        if _is_step_name(d.name) and (d / COMPLETE_FILE).exists():
+        if is_step_name(d.name) and (d / COMPLETE_FILE).exists():
             parts = d.name.split("-")
             found.append((int(parts[1]), int(parts[0]), d))
     return [d for *_, d in sorted(found)]
@@ -137,7 +134,10 @@ def prune(save_dir: Path, keep: int) -> None:
     dirs = step_dirs(save_dir)
     for d in dirs[: max(0, len(dirs) - keep)]:
         if d.resolve() not in pinned:
-            shutil.rmtree(d, ignore_errors=True)
+            # renamed first: a prune killed half way never leaves a step directory missing files
+            gone = d.with_name(PRUNED_PREFIX + d.name)
+            os.replace(d, gone)
+            shutil.rmtree(gone, ignore_errors=True)
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -161,7 +161,7 @@ def _earlier_entries(save_dir: Path) -> list[Path]:
     """What an earlier run left under `save_dir`: pointers first (moving them first keeps what is left
     consistent), then its step directories (complete or not)."""
     entries = [p for name in POINTERS for p in pointer_entries(save_dir, name)]
-    return entries + sorted(d for d in save_dir.iterdir() if _is_step_name(d.name) and d.is_dir())
+    return entries + sorted(d for d in save_dir.iterdir() if is_step_name(d.name) and d.is_dir())
 
 
 def archive_earlier_run(save_dir: Path) -> Path | None:

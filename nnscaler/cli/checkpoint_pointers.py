@@ -20,7 +20,7 @@ from pathlib import Path
 
 from nnscaler.runtime.checkpoint.files import fsync_dir
 
-__all__ = ["POINTERS", "point", "pointer_path", "pointer_target", "pointer_entries", "is_complete"]
+__all__ = ["POINTERS", "point", "pointer_path", "pointer_target", "pointer_entries", "is_complete", "repair"]
 
 POINTERS = ("last", "best")
 COMPLETE_FILE = "complete.json"
@@ -86,7 +86,7 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def _repair(save_dir: Path, name: str) -> None:
+def repair(save_dir: Path, name: str) -> None:
     """Finish a swap that a crash interrupted, then remove the in-flight names."""
     link = save_dir / name
     if not (link.exists() or link.is_symlink()):
@@ -120,7 +120,7 @@ def point(save_dir: Path, pointer: str, target: Path, symlink: bool = True) -> N
     replaces the old one; leftovers of an interrupted earlier call are repaired first."""
     save_dir, target = Path(save_dir), Path(target)
     link, tmp, old = save_dir / pointer, _new(save_dir, pointer), _old(save_dir, pointer)
-    _repair(save_dir, pointer)
+    repair(save_dir, pointer)
     _build(tmp, target, symlink)
     if link.exists() or link.is_symlink():
         os.replace(link, old)

@@ -170,9 +170,16 @@ def _loader_states(datas: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def check_before_start(cfg: CheckpointConfig, rank: int = 0, compile_only: bool = False) -> None:
-    """Before anything is compiled or written: the checkpoint to resume from must be complete, and a
+    """Before anything is compiled or written: what an interrupted save left in `save_dir` is put right
+    and reported (nnscaler.cli.checkpoint_recovery), the checkpoint to resume from must be complete, and a
     run that starts afresh moves an earlier run's checkpoints out of its way (rank 0, into
     `save_dir/earlier_runs/`; the other ranks wait for it). Compiling only writes no checkpoint."""
+    if not compile_only and (cfg.resume_from or not cfg.no_save):
+        # an interrupted save's leftovers: put right (rank 0) and said, before `last` is read
+        found = ck.recover_save_dir(Path(cfg.save_dir)) if rank == 0 else []
+        if found:
+            say(rank, f"checkpoint.save_dir {cfg.save_dir}: an interrupted save left: " + "; ".join(found))
+        ck.barrier()
     path = cfg.get_resume_checkpoint()
     if path is not None:
         ck.resolve_checkpoint(path)
