@@ -148,7 +148,9 @@ def _check_tp_mesh(opts: AutodistOptions, cfg: ComputeConfig) -> None:
     staged = isinstance(opts.pipeline_nstages, int) or not cfg.use_end2end
     stages = opts.pipeline_nstages if isinstance(opts.pipeline_nstages, int) else 1
     if n % (size * others):
-        fix = f"use a mesh of {n // others} devices, 'off', or plan_ngpus a multiple of {size * others}"
+        room = n // others if n % others == 0 else 0
+        other = f"a mesh of {room} devices, " if room >= 4 else ""
+        fix = f"use {other}'off' (1-D splits), or plan_ngpus a multiple of {size * others}"
     elif staged and n != size * others * stages:
         fix = (
             f"a stage has plan_ngpus / (pipeline_nstages x cp_size x ep_size) = {n // (others * stages)} devices; "
