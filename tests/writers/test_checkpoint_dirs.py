@@ -64,6 +64,24 @@ def test_lightning_checkpoint_keeps_the_users_files(tmp_path):
     assert read_rank_checkpoint(ckpt, 0, 1)["epoch"] == 1  # one rank file: nothing stale carried over
 
 
+def test_lightning_remove_checkpoint_keeps_the_users_files(tmp_path):
+    """ModelCheckpoint beyond save_top_k removes a checkpoint: its rank files go, the user's stay."""
+    from types import SimpleNamespace
+
+    from nnscaler.integration.lightning.pytorch.checkpoint import write_rank_checkpoint
+    from nnscaler.integration.lightning.pytorch.strategy import NnScalerStrategy
+
+    ckpt, plain = tmp_path / "epoch=0-step=4.ckpt", tmp_path / "epoch=0-step=8.ckpt"
+    for d in (ckpt, plain):
+        write_rank_checkpoint({"state_dict": {}, "epoch": 0}, d, 0)
+    kept = plant(ckpt, {"README.md": b"best so far\n"})
+    for d in (ckpt, plain):
+        NnScalerStrategy.remove_checkpoint(SimpleNamespace(is_global_zero=True), d)
+    assert_kept(ckpt, kept)
+    assert sorted(os.listdir(ckpt)) == ["README.md"]
+    assert not plain.exists()  # nothing of the user's in it: removed whole
+
+
 def test_checkpoint_path_that_is_a_file_is_refused(tmp_path):
     final = tmp_path / "last"
     final.write_bytes(b"the user's file")

@@ -125,3 +125,16 @@ def test_truncated_safetensors_is_named(tmp_path, shard):
     with pytest.raises(CheckpointError, match=str(victim)) as info:
         load_pretrained(H.build_qwen2(H.OTHER_SEED), out)
     assert "truncated" in str(info.value)
+
+
+def test_damaged_config_and_index_are_named(tmp_path):
+    out = tmp_path / "out"
+    save_pretrained(H.build_qwen2(H.SOURCE_SEED), out, max_shard_size="40KB")
+    index = (out / INDEX).read_text()
+    (out / INDEX).write_text(index[: len(index) // 2])
+    with pytest.raises(CheckpointError, match=str(out / INDEX)):
+        load_pretrained(H.build_qwen2(H.OTHER_SEED), out)
+    (out / INDEX).write_text(index)
+    (out / "config.json").write_text('{"model_type": "qw')
+    with pytest.raises(CheckpointError, match=str(out / "config.json")):
+        load_pretrained(H.build_qwen2(H.OTHER_SEED), out)

@@ -140,6 +140,7 @@ def load_pretrained(
     """
     held = held_tensors(module)
     layout = gather_layout(held)
+    config = _read_config(Path(path) / "config.json")  # a damaged one is named before any weight is read
     with HFCheckpoint(path) as ckpt, torch.no_grad():
         found, result = _check(layout, ckpt, prefix, strict)
         for pm in {id(h.pm): h.pm for h in held if h.pm is not None and h.pm._zero3 is not None}.values():
@@ -149,7 +150,18 @@ def load_pretrained(
             if key is not None:
                 _load_one(ckpt, key, h)
         result.bytes_read, result.tensors_read = ckpt.bytes_read, ckpt.tensors_read
-    config = Path(path) / "config.json"
-    if config.exists():  # save_pretrained writes it back when given no config
-        module.__dict__[CONFIG_ATTR] = json.loads(config.read_text())
+    if config is not None:  # save_pretrained writes it back when given no config
+        module.__dict__[CONFIG_ATTR] = config
     return result
+
+
+def _read_config(config: Path) -> dict | None:
+    if not config.exists():
+        return None
+    try:
+        return json.loads(config.read_text())
+    except ValueError as err:
+        raise CheckpointError(
+            f"load_pretrained: {config} cannot be read ({err}); it is truncated or damaged: copy it again "
+            "from the original checkpoint"
+        ) from err

@@ -24,6 +24,7 @@ __all__ = [
     "saved_state_dict_type",
     "write_rank_checkpoint",
     "read_rank_checkpoint",
+    "remove_rank_checkpoint",
     "merge_checkpoint_files",
 ]
 
@@ -49,6 +50,22 @@ def write_rank_checkpoint(checkpoint: dict[str, Any], directory: str | os.PathLi
         shutil.rmtree(tmp, ignore_errors=True)
     files = {rank_file(tmp, rank).name: checkpoint}
     return write_rank_dir(final, tmp, final.with_name(final.name + ".old"), rank, files)
+
+
+def remove_rank_checkpoint(directory: str | os.PathLike) -> None:
+    """Delete a checkpoint `write_rank_checkpoint` wrote (Lightning's `remove_checkpoint`, e.g. beyond
+    `save_top_k`): its `rank{r}.ckpt` files, and the directory when nothing else is left in it. Files a
+    user put into the directory stay (with the directory)."""
+    path = Path(directory)
+    if not path.is_dir() or path.is_symlink():
+        return
+    for f in path.glob("rank*.ckpt"):
+        if f.name[4:-5].isdigit() and f.is_file():
+            f.unlink(missing_ok=True)
+    try:
+        path.rmdir()  # only when empty
+    except OSError:
+        pass
 
 
 def read_rank_checkpoint(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, Any]:

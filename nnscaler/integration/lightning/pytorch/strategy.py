@@ -12,11 +12,9 @@ returns their mean loss; in evaluation it runs the forward schedule.
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,14 +26,15 @@ import nnscaler
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import ConfigError
 from nnscaler.integration.lightning.optimizers import nnscaler_optimizer
-from nnscaler.integration.lightning.outputs import combine_micro_outputs
 from nnscaler.integration.lightning.pytorch.checkpoint import (
     META_KEY,
     merge_checkpoint_files,
     read_rank_checkpoint,
+    remove_rank_checkpoint,
     saved_state_dict_type,
     write_rank_checkpoint,
 )
+from nnscaler.integration.lightning.pytorch.parallel_forward import ParallelForward
 from nnscaler.integration.lightning.replicas import ReplicaRanks
 from nnscaler.runtime.checkpoint.save_types import (
     DEDUPED,
@@ -172,7 +171,6 @@ class NnScalerStrategy(ReplicaRanks, DDPStrategy):
         module = self.lightning_module
         assert module is not None
         dummy = self._dummy_forward_args(trainer, module)
-        forward = module.forward
         pm = nnscaler.parallelize(
             module,
             dummy,
@@ -190,24 +188,9 @@ class NnScalerStrategy(ReplicaRanks, DDPStrategy):
             module.register_parameter(name, None)
         module.nnscaler_module = pm
         self.parallel_module = pm
-        signature = inspect.signature(forward)
-        pipelined = self.compute_config.use_end2end
         self._grads_stale = True
-
-        def parallel_forward(*args: Any, **kwargs: Any) -> Any:
-            if not pipelined:
-                return pm(*args, **kwargs)
-            sample = dict(signature.bind(*args, **kwargs).arguments)
-            if torch.is_grad_enabled() and module.training:
-                if self._grads_stale:
-                    pm.zero_grad()
-                    self._grads_stale = False
-                n = pm.nmicros_per_scheduler_step
-                outputs = pm.train_step(sample, scale_fn=lambda loss: loss / n, return_outputs=True)
-                return combine_micro_outputs(outputs, train=True)  # backward done above
-            return combine_micro_outputs(pm.infer_step(sample, return_outputs=True), train=False)
-
-        module.forward = parallel_forward
+        # an object, not a closure over pm: a deepcopy of the module runs its own copy (parallel_forward.py)
+        module.forward = ParallelForward(self, module, self.compute_config.use_end2end)
 
     def _zero_before_next_schedule(self) -> None:
         self._grads_stale = True
@@ -259,10 +242,8 @@ class NnScalerStrategy(ReplicaRanks, DDPStrategy):
         super().load_optimizer_state_dict(checkpoint)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            import shutil
-
-            shutil.rmtree(Path(filepath), ignore_errors=True)
+        if self.is_global_zero:  # the rank files only: a user's files in the directory stay
+            remove_rank_checkpoint(filepath)
 
     @staticmethod
     def merge_checkpoint(checkpoint_files: list[Any], output_file: Any) -> None:
