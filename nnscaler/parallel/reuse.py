@@ -16,6 +16,8 @@ No fingerprint at all means nothing complete was written (the fingerprint is wri
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,8 @@ from nnscaler.parallel.fingerprint import check_graph, describe_differences
 from nnscaler.parallel.savedir import CONSTANTS_FILE, FINGERPRINT_FILE, GRAPH_FILE
 
 __all__ = ["decide", "start_generation", "finish_generation", "REGENERATE_HINT"]
+
+_log = logging.getLogger(__name__)
 
 REGENERATE_HINT = (
     "To regenerate the code pass reuse='moo' (regenerate when different) or reuse='override', "
@@ -120,8 +124,25 @@ def decide(
     return bool(problems), None
 
 
+_TEMPORARY = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
+"""write_atomic's temporary files (`.<name>.<mkstemp's 8 characters>.tmp`)."""
+
+
 def start_generation(outdir: Path) -> None:
-    """Remove the fingerprint first: until the new one is written, nothing claims to be complete."""
+    """Remove the fingerprint first: until the new one is written, nothing claims to be complete.
+    What an interrupted compile left (its temporary files; files without a fingerprint) is named in
+    a warning, and the temporary files removed (the caller holds the directory's lock)."""
+    found = []
+    for temp in sorted(outdir.iterdir()):
+        if _TEMPORARY.match(temp.name) and temp.is_file():
+            temp.unlink(missing_ok=True)
+            found.append(f"{temp.name} (removed)")
+    if not (outdir / FINGERPRINT_FILE).exists() and any(outdir.glob("gencode*.py")):
+        found.append(f"generated files without {FINGERPRINT_FILE} (never loaded)")
+    if found:
+        _log.warning(
+            "%s holds what an interrupted compile left: %s; generating again", outdir, "; ".join(found)
+        )
     (outdir / FINGERPRINT_FILE).unlink(missing_ok=True)
 
 

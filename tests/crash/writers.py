@@ -195,11 +195,11 @@ class HFExport:
         for name, text in _USER_FILES.items():
             (self.state_dir / name).parent.mkdir(parents=True, exist_ok=True)
             (self.state_dir / name).write_text(text)
-        old = build_qwen2(0)
+        old = build_qwen2(0, layers=1)
         save_pretrained(old, self.state_dir, max_shard_size=self.shard)
-        self.module = build_qwen2(1)
+        self.module = build_qwen2(1, layers=1)
         self.previous, self.new = _clone(old.state_dict()), _clone(self.module.state_dict())
-        self.fresh = build_qwen2(2)
+        self.fresh = build_qwen2(2, layers=1)
 
     def write(self) -> None:
         from nnscaler.integration.hf import save_pretrained
@@ -216,8 +216,14 @@ class HFExport:
         found = _which(self.fresh.state_dict(), self.previous, self.new, str(self.state_dir))
         for name, text in _USER_FILES.items():
             assert (self.state_dir / name).read_text() == text, f"the user's {name} was changed"
-        # the next export cleans up: only the user's files and its own are left
-        save_pretrained(self.module, self.state_dir, max_shard_size=self.shard)
+        # the next export cleans up and names what it removed: only the user's files and its own are left
+        hidden = _hidden(self.state_dir)
+        with _Warnings("nnscaler.integration.hf.export_files") as warned:
+            save_pretrained(self.module, self.state_dir, max_shard_size=self.shard)
+        for name in hidden:
+            assert any(name in line for line in warned.lines), (
+                f"{name} was left and not reported: {warned.lines}"
+            )
         index = json.loads((self.state_dir / "model.safetensors.index.json").read_text())
         expected = set(index["weight_map"].values()) | {"model.safetensors.index.json", "config.json"}
         expected |= {n.split("/")[0] for n in _USER_FILES}
@@ -257,12 +263,11 @@ class Codegen:
         (self.state_dir,) = [p.parent for p in self.gen.rglob("fingerprint.json")]
         self.previous = _files(self.state_dir)
 
-    def _parallelize(self, model: torch.nn.Module, reuse: str, load: bool) -> Any:
+    def _parallelize(self, model: torch.nn.Module, reuse: str, load: bool, gen: Path | None = None) -> Any:
         from nnscaler.parallel import parallelize
 
-        return parallelize(
-            model, self.args, "dp", self.cfg, gen_savedir=self.gen, reuse=reuse, load_module=load
-        )
+        gen = gen or self.gen
+        return parallelize(model, self.args, "dp", self.cfg, gen_savedir=gen, reuse=reuse, load_module=load)
 
     def write(self) -> None:
         self._parallelize(self.model, "moo", load=False)
@@ -292,10 +297,29 @@ class Codegen:
                 return label
         raise AssertionError(f"{self.state_dir}: its fingerprint verifies files of neither compile")
 
-    def next_run(self) -> None:
-        """A real parallelize of the new model after the last kill: reused or regenerated, it computes right."""
-        pm = self._parallelize(self.model, "moo", load=True)
+    def next_run(self) -> list[str]:
+        """A real parallelize of the new model where the last kill left the directory: it names what
+        an interrupted compile left, removes its temporary files, and the code it reuses or
+        regenerates computes what the model does. Returns the warnings."""
+        hidden = _hidden(self.state_dir)
+        unfinished = read_saved_data(self.state_dir) is None
+        with _Warnings("nnscaler.parallel.reuse") as warned:
+            pm = self._parallelize(self.model, "moo", load=True)
         assert torch.allclose(pm(**self.args), self.model(**self.args))
+        assert not _hidden(self.state_dir), f"left after the next compile: {_hidden(self.state_dir)}"
+        for name in hidden:
+            assert any(name in line for line in warned.lines), (
+                f"{name} was left and not reported: {warned.lines}"
+            )
+        if unfinished:
+            assert any("without fingerprint.json" in line for line in warned.lines), warned.lines
+        return warned.lines
+
+
+def read_saved_data(outdir: Path) -> Any:
+    from nnscaler.parallel.artifacts import read_saved
+
+    return read_saved(outdir).data
 
 
 SCENARIOS = {"trainer": TrainerSave, "runtime": RuntimeDir, "hf_export": HFExport, "codegen": Codegen}

@@ -14,6 +14,10 @@ The order keeps a complete export readable at every moment:
    by the new one, the previous index or `model.safetensors` when the export changes between one file
    and shards (only when nnscaler wrote them: both carry `"writer": "nnscaler"` in their metadata).
 
+An export killed before its index leaves new shards that no index names (and temporary files): the
+next export removes them (ours by their metadata; nothing when the index is unreadable) and names
+them in a warning.
+
 Refused (CheckpointError naming the path) before anything is written: a `path` that is a file, and a
 `model.safetensors` or index that nnscaler did not write and that would be read instead of the new
 export (a sharded export beside a foreign `model.safetensors`, one file beside a foreign index).
@@ -22,6 +26,7 @@ export (a sharded export beside a foreign `model.safetensors`, one file beside a
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import secrets
@@ -51,6 +56,8 @@ __all__ = [
 WRITER_KEY, WRITER = "writer", "nnscaler"
 """Metadata entry marking a safetensors file / index as written by `save_pretrained`."""
 CONFIG_FILE = "config.json"
+logger = logging.getLogger(__name__)
+_SHARD = re.compile(r"^model-\d{5}-of-\d{5}(-[0-9a-f]{6})?\.safetensors$")
 _TEMP = re.compile(r"^\.(model[-.].*safetensors(\.index\.json)?|config\.json)\.tmp-\d+$")
 
 
@@ -88,6 +95,15 @@ def _single_is_ours(file: Path) -> bool:
         return False
 
 
+def _orphans(path: Path, named: set[str]) -> list[str]:
+    """Shards that an export killed before its index wrote (ours by their metadata), named by no index."""
+    return sorted(
+        p.name
+        for p in path.iterdir()
+        if _SHARD.match(p.name) and p.name not in named and p.is_file() and _single_is_ours(p)
+    )
+
+
 def plan_export(path: Path, n_files: int) -> ExportPlan:
     """Check `path`, create it, read the previous export and name the new files (rank 0)."""
     if path.exists() and not path.is_dir():
@@ -96,9 +112,11 @@ def plan_export(path: Path, n_files: int) -> ExportPlan:
             "model.safetensors into a directory: give a directory path, or move the file away"
         )
     path.mkdir(parents=True, exist_ok=True)
+    left = []
     for stale in path.iterdir():  # temporary files of an export that crashed (our names only)
         if _TEMP.match(stale.name) and stale.is_file():
             stale.unlink(missing_ok=True)
+            left.append(stale.name)
     plan = ExportPlan(path, [])
     index, single = path / INDEX_FILE, path / SINGLE_FILE
     if index.exists():
@@ -108,6 +126,16 @@ def plan_export(path: Path, n_files: int) -> ExportPlan:
             plan.old_index_ours = _ours(plan.old_index.get("metadata"))
     if single.exists():
         plan.old_single_ours = _single_is_ours(single)
+    if plan.old_index is not None or not index.exists():  # with an unreadable index, remove nothing
+        for name in _orphans(path, plan.old_shards):
+            (path / name).unlink(missing_ok=True)
+            left.append(name)
+    if left:
+        logger.warning(
+            "save_pretrained: %s held what an interrupted export left (removed): %s",
+            path,
+            ", ".join(sorted(left)),
+        )
     if n_files == 1:
         if index.exists() and not plan.old_index_ours:
             raise CheckpointError(
