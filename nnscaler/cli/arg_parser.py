@@ -422,7 +422,9 @@ def deserialize_dataclass(value: Any, value_type: type, *, _where: str = "") -> 
             members[key] = v
     try:
         return value_type(**members)
-    except ConfigError:
+    except ConfigError as err:
+        if _where and not str(err).startswith(_where):  # name the field by its dotted path (same type)
+            err.args = (f"{_where}: {err}", *err.args[1:])
         raise
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{_where or name}: {err}") from err

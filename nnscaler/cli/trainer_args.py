@@ -53,6 +53,7 @@ from nnscaler.cli.configs import (
 )
 from nnscaler.cli.loading import TypeLoadError, load_type
 from nnscaler.cli.train_hook import TrainHook
+from nnscaler.cli.trainer_checks import check_trainer_args
 from nnscaler.cli.trainer_view import TrainerView
 from nnscaler.cli.yaml_loader import read_yaml
 from nnscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
@@ -174,6 +175,11 @@ class TrainerArgs:
     """Dotted name of `fn(trainer)` called at setup (after seeding)."""
 
     def __post_init__(self) -> None:
+        if self.init_module is not None:
+            try:
+                importlib.import_module(self.init_module)
+            except ImportError as err:
+                raise ConfigError(f"init_module: cannot import {self.init_module!r} ({err})") from None
         if self.compute_config is None:
             raise ConfigError("compute_config is required (at least compute_config.plan_ngpus)")
         if isinstance(self.compute_config, dict):
@@ -215,7 +221,10 @@ class TrainerArgs:
                     f"model.parallel_modules: {m.type} is the model itself; leave parallel_modules empty instead"
                 )
             if m.compute_config is not None:
-                m.compute_config.resolve(self.compute_config)
+                try:
+                    m.compute_config.resolve(self.compute_config)
+                except ConfigError as err:
+                    raise ConfigError(f"model.parallel_modules[{m.type}].compute_config: {err}") from None
             if m.tracing_from_weights_prefix and not self.tracing_from_weights:
                 raise ConfigError(
                     "tracing_from_weights is required with model.parallel_modules[].tracing_from_weights_prefix"
@@ -224,7 +233,8 @@ class TrainerArgs:
             self.hook = _deserialize_hook(self.hook)
         if self.seed is None and self.init_env_fn is None:
             logger.warning("neither seed nor init_env_fn is set: runs are not reproducible")
-        self._vars = self.create_kwarg(self.vars)
+        self._vars = self.create_kwarg(self.vars) if isinstance(self.vars, dict) else self.vars
+        check_trainer_args(self)  # names, kwargs and ranges of every field (nnscaler.cli.trainer_checks)
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -249,7 +259,10 @@ class TrainerArgs:
         """Build from a nested dict (values may be strings; they are converted by type hints)."""
         d = copy.deepcopy(d)
         if init_module := d.get("init_module"):
-            importlib.import_module(init_module)
+            try:
+                importlib.import_module(init_module)
+            except ImportError as err:
+                raise ConfigError(f"init_module: cannot import {init_module!r} ({err})") from None
         cc = d.get("compute_config")
         if isinstance(cc, dict) and cc.get("use_end2end") is None:
             cc["use_end2end"] = True
