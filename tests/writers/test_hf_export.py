@@ -138,3 +138,17 @@ def test_damaged_config_and_index_are_named(tmp_path):
     (out / "config.json").write_text('{"model_type": "qw')
     with pytest.raises(CheckpointError, match=str(out / "config.json")):
         load_pretrained(H.build_qwen2(H.OTHER_SEED), out)
+
+
+def test_two_ranks_keep_the_users_files_and_refuse_a_file(tmp_path):
+    from tests.dist_util import spawn
+    from tests.writers import workers
+
+    out, blocked = tmp_path / "out", tmp_path / "blocked"
+    kept = plant(out)
+    blocked.write_bytes(b"x")
+    messages = spawn(workers.hf_export_worker, 2, tmp_path, str(out), str(blocked))
+    assert_kept(out, kept)
+    _loads_as(out, H.build_qwen2(H.SOURCE_SEED))
+    assert all(str(blocked) in m[0] for m in messages), messages
+    assert blocked.read_bytes() == b"x"

@@ -44,3 +44,17 @@ def broadcast_worker(rank: int, world: int, base: str) -> list[str]:
     outdir = Path(base) / f"machine{rank}"
     _broadcast_files(outdir, BroadcastGenFilesStrategy.ALL)
     return sorted(os.listdir(outdir))
+
+
+def hf_export_worker(rank: int, world: int, out: str, blocked: str) -> list[str]:
+    """Both ranks export a plain module (sharded) into `out`, then into `blocked`, a file: refused on both."""
+    from nnscaler.errors import CheckpointError
+    from nnscaler.integration.hf import save_pretrained
+    from tests.integration import hf_case as H
+
+    save_pretrained(H.build_qwen2(H.SOURCE_SEED), out, max_shard_size="40KB")
+    try:
+        save_pretrained(H.build_qwen2(H.SOURCE_SEED), blocked)
+    except CheckpointError as err:
+        return [str(err)]
+    return ["not refused"]
