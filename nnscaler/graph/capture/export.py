@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from nnscaler.errors import TraceError
+from nnscaler.graph.capture.input_keys import check_input_keys
 from nnscaler.graph.capture.library_tracing import static_shape_choices
 from nnscaler.graph.capture.user_frames import user_frame
 
@@ -62,10 +63,13 @@ def check_forward_args(module: torch.nn.Module, dummy_forward_args: dict[str, An
                 f"{type(module).__name__}.forward{sig}: add a dummy value for it"
             )
     has_var_kw = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    unknown = [k for k in dummy_forward_args if k not in params]
+    # a key named like the *args / **kwargs parameter itself (`kwargs`) goes into **kwargs too
+    var = {n for n, p in params.items() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    unknown = [k for k in dummy_forward_args if k not in params or k in var]
     if unknown and not has_var_kw:
         _warn_untaken(module, unknown, sig)
         return names
+    check_input_keys(type(module).__name__, unknown, unknown, sig)
     return names + unknown
 
 
