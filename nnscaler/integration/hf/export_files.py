@@ -138,8 +138,9 @@ def plan_export(path: Path, n_files: int) -> ExportPlan:
         )
     if n_files == 1:
         if index.exists() and not plan.old_index_ours:
+            why = "cannot be read" if plan.old_index is None else "was not written by nnscaler"
             raise CheckpointError(
-                f"save_pretrained: {index} was not written by nnscaler, and loaders read it before the "
+                f"save_pretrained: {index} {why}, and loaders read it before the "
                 f"{SINGLE_FILE} this export writes; remove it (and its shards) or export into another directory"
             )
         plan.files = [SINGLE_FILE]
