@@ -25,7 +25,7 @@ from nnscaler.policies.options import (
     parse_pas_config,
 )
 
-__all__ = ["check_pas_config", "builtin_name"]
+__all__ = ["check_pas_config", "check_options", "builtin_name"]
 
 
 def builtin_name(fn: Callable) -> str | None:
@@ -38,8 +38,12 @@ def builtin_name(fn: Callable) -> str | None:
 def check_pas_config(fn: Callable, cfg: ComputeConfig, graph: Graph | None = None) -> None:
     """Refuse a pas_config value of built-in policy `fn` that cannot apply to `cfg` (and `graph`)."""
     name = builtin_name(fn)
-    if name is None:
-        return
+    if name is not None:
+        check_options(name, cfg, graph)
+
+
+def check_options(name: str, cfg: ComputeConfig, graph: Graph | None = None) -> None:
+    """check_pas_config for the built-in policy called `name` (the offline planner calls it for autodist)."""
     raw = {k: v for k, v in cfg.pas_config.items() if isinstance(k, str) and not k.startswith("_")}
     opts = parse_pas_config(name, raw)
     if isinstance(opts, AutodistOptions):

@@ -410,7 +410,7 @@ def test_unknown_keys_are_refused(policy: str, graphs) -> None:
     with pytest.raises(ConfigError, match=f"'tp_mesh_size' is not an option of policy '{policy}'"):
         resolve_pas_policy(policy, cfg.pas_config)
     with pytest.raises(ConfigError, match=f"'tp_mesh_size' is not an option of policy '{policy}'"):
-        make_plan(graphs["gpt"][2], policy, cfg)  # the planner alone (python -m nnscaler.plan) too
+        make_plan(graphs["gpt"][2], policy, cfg)  # the planner alone, without parallelize, too
 
 
 def test_every_key_of_every_policy_has_a_refused_row() -> None:
@@ -428,3 +428,14 @@ def test_table_size() -> None:
     """The note reports it: (policy, key) pairs x values."""
     keys = {(p, f.name) for p, cls in POLICY_OPTIONS.items() for f in dataclasses.fields(cls)}
     assert len(keys) >= 60 and sum(1 for _, r in _rows() if r.refused) >= 2 * len(keys)
+
+
+def test_the_offline_planner_refuses_a_mesh_that_cannot_apply(graphs) -> None:
+    """`python -m nnscaler.plan --plan-ngpus 2 --mesh 2x2` searches without make_plan: refused there too."""
+    from nnscaler.policies.autodist.cluster import load_cluster
+    from nnscaler.policies.autodist.offline import plan_offline
+
+    with pytest.raises(PlanError, match=r"tp_mesh'\]=\[2, 2\] cannot apply .*needs 4 devices per stage"):
+        plan_offline(
+            graphs["gpt"][2], load_cluster("cpu_gloo"), 2, plan_ngpus=2, pas_config={"tp_mesh": [2, 2]}
+        )

@@ -14,6 +14,7 @@ from nnscaler.policies.autodist.context import PlannerSetup
 from nnscaler.policies.autodist.policy import plan_from_candidate, planner_setup
 from nnscaler.policies.autodist.search import divisors, micro_options, search
 from nnscaler.policies.context_parallel import attention_nodes
+from nnscaler.policies.option_checks import check_options
 from nnscaler.policies.plan import Plan
 
 __all__ = ["OfflinePlan", "plan_offline"]
@@ -57,6 +58,13 @@ def plan_offline(
     errors = []
     for p in sizes:
         cfg = ComputeConfig(p, ndevices, use_end2end=end2end, pas_config=pas)
+        try:  # a value that cannot apply at this plan size (a pinned tp_mesh, ...): refused, named
+            check_options("autodist", cfg, graph)
+        except PlanError as exc:
+            if len(sizes) == 1:
+                raise
+            errors.append(f"plan_ngpus={p}: {exc}")
+            continue
         base = planner_setup(graph, cfg, cluster=cluster)
         base = replace(base, max_tp=cluster.devices_per_node, global_batch=True)
         if base.dp_size > max(base.traced_batch, 1):  # a replica needs a whole sample (cp splits sequences)
