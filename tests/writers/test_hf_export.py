@@ -152,3 +152,28 @@ def test_two_ranks_keep_the_users_files_and_refuse_a_file(tmp_path):
     _loads_as(out, H.build_qwen2(H.SOURCE_SEED))
     assert all(str(blocked) in m[0] for m in messages), messages
     assert blocked.read_bytes() == b"x"
+
+
+def test_a_failed_export_leaves_the_previous_one_and_no_new_shard(tmp_path, monkeypatch):
+    import nnscaler.integration.hf.export_files as ef
+
+    out = tmp_path / "out"
+    first = H.build_qwen2(H.SOURCE_SEED)
+    save_pretrained(first, out, max_shard_size="40KB")
+    before = sorted(os.listdir(out))
+    kept = plant(out)
+    calls = []
+    real = ef._write_safetensors
+
+    def failing(target, tensors):
+        calls.append(target)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        real(target, tensors)
+
+    monkeypatch.setattr(ef, "_write_safetensors", failing)
+    with pytest.raises(OSError, match="No space left"):
+        save_pretrained(H.build_qwen2(H.OTHER_SEED), out, max_shard_size="40KB")
+    assert sorted(set(os.listdir(out)) - set(kept) - {"checkpoints", "notes"}) == before
+    assert_kept(out, kept)
+    _loads_as(out, first)

@@ -73,6 +73,8 @@ class ExportPlan:
     """Files the previous index names (whoever wrote it)."""
     old_index_ours: bool = False
     old_single_ours: bool = False
+    committed: bool = False
+    """Whether the new index is in place (from then on the new shards are the export)."""
 
 
 def _ours(metadata: Any) -> bool:
@@ -209,6 +211,7 @@ def finish_export(
         meta = {"total_size": total, "total_parameters": numel, WRITER_KEY: WRITER}
         index = {"metadata": meta, "weight_map": weight_map}
         atomic_save(json.dumps(index, indent=2, sort_keys=True) + "\n", path / INDEX_FILE, _write_text)
+        plan.committed = True
         if plan.old_single_ours:
             _unlink(path / SINGLE_FILE)
     elif plan.old_index_ours:
@@ -219,3 +222,12 @@ def finish_export(
             if target.parent == path and name != SINGLE_FILE:  # a name, not a path elsewhere
                 _unlink(target)
     fsync_dir(path)
+
+
+def abandon_export(plan: ExportPlan, written: list[str]) -> None:
+    """After a failed sharded export: remove the new shards, which no index names (the previous
+    export, untouched, stays readable). A single file replaced `model.safetensors` already: kept."""
+    if plan.files == [SINGLE_FILE] or plan.committed:
+        return
+    for name in written:
+        _unlink(plan.path / name)

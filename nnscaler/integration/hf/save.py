@@ -23,6 +23,7 @@ from torch import nn
 from nnscaler.errors import CheckpointError
 from nnscaler.integration.hf.export_files import (
     ExportPlan,
+    abandon_export,
     config_text,
     finish_export,
     plan_export,
@@ -221,6 +222,7 @@ def save_pretrained(
             error = err
     _share_error(error)  # refused before any gather, on every rank
     local, weight_map, total, numel = _LocalPieces(held, layout), {}, 0, 0
+    written: list[str] = []
     for k, group in enumerate(files):
         tensors = _gather_file(group, layout, local, rank, dtype)
         if tensors is None or error is not None:
@@ -228,6 +230,7 @@ def save_pretrained(
         file = plan.files[k]
         try:
             write_tensors(plan, file, {names[n]: t for n, t in tensors.items()})
+            written.append(file)
         except Exception as err:  # keep taking part in the gathers; raised on every rank below
             error = err
         for n, t in tensors.items():
@@ -239,6 +242,8 @@ def save_pretrained(
             finish_export(plan, weight_map, total, numel, text)
         except Exception as err:
             error = err
+    if rank == 0 and error is not None and plan is not None:
+        abandon_export(plan, written)
     _share_error(error)
     barrier()
     return path
