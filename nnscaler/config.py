@@ -74,7 +74,11 @@ def _check_torch_compile(value: Any, zero3: bool) -> None:
 
 @dataclass(frozen=True)
 class ComputeConfig:
-    """How to run the parallel module. Positional order follows nnScaler: `ComputeConfig(2, 4)`."""
+    """How to run the parallel module. Positional order follows nnScaler: `ComputeConfig(2, 4)`.
+
+    Construction refuses (ConfigError, naming the field and the fix) a value of the wrong type, out of
+    range, or set where the rest of the config leaves it unread (a ZeRO knob without `use_zero`, a
+    gradient knob with `inference_only`, a Zeno knob under another aggregation): nnscaler.config_checks."""
 
     plan_ngpus: int
     """Devices one copy of the plan spans (tensor/pipeline parallel degree product)."""
