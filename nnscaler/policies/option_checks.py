@@ -79,8 +79,9 @@ def _check_cp(policy: str, opts: Any, raw: Mapping[str, Any]) -> None:
         )
 
 
-_PIPELINE_KEYS = ("pipeline_nmicros", "update_freq", "pipeline_scheduler", "pipeline_pivots")
-"""autodist keys that only shape a pipeline (and its micro-batches): read only with use_end2end."""
+_PIPELINE_KEYS = ("pipeline_scheduler", "pipeline_pivots")
+"""autodist keys that only shape a pipeline: read only with use_end2end. (pipeline_nmicros and update_freq
+are read without it too: the search costs a step of that many micro-batches, as gradient accumulation.)"""
 
 
 def _check_autodist(
@@ -112,7 +113,7 @@ def _check_autodist(
                     "autodist",
                     key,
                     raw[key],
-                    "autodist plans pipelines and micro-batches only for end-to-end training steps: set "
+                    "autodist plans pipelines only for end-to-end training steps: set "
                     "ComputeConfig(use_end2end=True) or drop it",
                 )
     elif opts.pipeline_nstages == 1 and "pipeline_scheduler" in raw:

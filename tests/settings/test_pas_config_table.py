@@ -135,11 +135,11 @@ TABLE: list[Row] = [
     R("pipeline_nmicros", 0, PIPE, r"'pipeline_nmicros'.* must be >= 1"),
     R("pipeline_nmicros", "4", PIPE, TYPE + " int or None"),
     R("pipeline_nmicros", None, ("pp", "hybrid"), r"pipelines need pas_config\['pipeline_nmicros'\]"),
-    R(
+    A(
         "pipeline_nmicros",
         2,
         ("autodist",),
-        f"pipeline_nmicros'\\]=2 {NOT_READ} 'autodist'.*use_end2end=True",
+        "without use_end2end too: the search costs a step of 2 micro-batches (gradient accumulation)",
     ),
     A("pipeline_nmicros", 4, PIPE, "micro-batches per train_step", e2e=True),
     R("pipeline_nstages", 0, PIPE, r"'pipeline_nstages'.* must be >= 1"),
@@ -318,7 +318,6 @@ TABLE: list[Row] = [
         f"update_freq'\\]=2 {NOT_READ}.*pipeline_nmicros is given",
         also={"pipeline_nmicros": 4},
     ),
-    R("update_freq", 2, ("autodist",), f"update_freq'\\]=2 {NOT_READ}.*use_end2end=True"),
     A(
         "update_freq",
         [2, 4],
