@@ -70,7 +70,7 @@ def _restore(pristine: Path, target: Path) -> None:
 
 def _where(point: Point, ops: list[str]) -> str:
     if point.op is not None:
-        return f"{point} (before {ops[point.op - 1]})"
+        return f"{point} (before {[op for op in ops if not op.startswith('write:')][point.op - 1]})"
     return str(point)
 
 
