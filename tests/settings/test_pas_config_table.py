@@ -438,3 +438,11 @@ def test_the_offline_planner_refuses_a_mesh_that_cannot_apply(graphs) -> None:
         plan_offline(
             graphs["gpt"][2], load_cluster("cpu_gloo"), 2, plan_ngpus=2, pas_config={"tp_mesh": [2, 2]}
         )
+
+
+def test_a_pinned_mesh_keeps_the_search_on_stages_of_its_size(graphs) -> None:
+    """plan_ngpus=4 with tp_mesh [2, 2] and the stage count searched: a 2-stage pipeline (stages of 2
+    devices) would drop the mesh, so only stages of 4 devices are planned."""
+    pas = {"tp_mesh": [2, 2], "pipeline_nmicros": 2}
+    plan = make_plan(graphs["gpt"][2], "autodist", ComputeConfig(4, 4, use_end2end=True, pas_config=pas))
+    assert plan.pipeline is None and "pp=1 tp=4" in plan.notes[0], plan.notes

@@ -255,6 +255,20 @@ def _check_stage_count(setup: PlannerSetup) -> None:
         )
 
 
+def _on_pinned_mesh(setup: PlannerSetup, scored: list[Candidate], refused: list) -> list[Candidate]:
+    """Under a pinned pas_config['tp_mesh'], only configurations whose stages have the mesh's device
+    count (elsewhere the mesh would be dropped without a word; issue 41)."""
+    if not isinstance(setup.tp_mesh, tuple):
+        return scored
+    size = math.prod(setup.tp_mesh)
+    for c in scored:
+        if c.tp != size:
+            refused.append(
+                (c.label(), f"pas_config['tp_mesh']={list(setup.tp_mesh)} needs stages of {size} devices")
+            )
+    return [c for c in scored if c.tp == size]
+
+
 def _nothing_planned(ndevices: int, refused: list[tuple[str, str]]) -> PlanError:
     """The error when every configuration was refused: each reason once, with the configurations it
     refused (the advice after a memory reason once, at the end)."""
@@ -321,6 +335,9 @@ def _search_devices(graph: Graph, setup: PlannerSetup) -> tuple[Candidate, list[
         raise _nothing_planned(n, refused)
     if setup.constraints.rules == () and setup.plan_ngpus > 1:
         scored.extend(_megatron_alternatives(graph, setup, scored))
+    scored = _on_pinned_mesh(setup, scored, refused)
+    if not scored:
+        raise _nothing_planned(n, refused)
     for c in scored:
         c.zero = setup.memory.zero_stage if setup.dp_size > 1 else 0
     best = min(scored, key=lambda c: (c.time_per_micro, c.pp, -c.tp, c.recompute))
