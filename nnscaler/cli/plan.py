@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
+from nnscaler.atomic_files import write_atomic
 from nnscaler.cli.model_builder import build_model
 from nnscaler.cli.plan_checks import (
     EXIT_USAGE,
@@ -159,7 +159,7 @@ def _plan(args: argparse.Namespace, cluster) -> int:
         text += _at_sizes(graph, result, args.at)
     print(text, end="")
     if args.out:
-        Path(args.out).write_text(text)
+        write_atomic(args.out, text)
     if args.save_plan:
         save_plan(
             result.plan,

@@ -14,6 +14,7 @@ policy or GPU count) the saved ranks' state dicts are merged into single-device 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Protocol
@@ -276,14 +277,24 @@ def merge_checkpoint(checkpoint_files: list[str] | str, output_file: str) -> Non
     out = Path(output_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
         weights = {
             k: v.detach().contiguous() for k, v in merged["model"].items() if isinstance(v, torch.Tensor)
         }
-        save_file(_untie(weights), str(out))
+        ck.atomic_save(_untie(weights), out, write=_save_safetensors_fsynced)
     else:
         ck.atomic_torch_save(merged, out)
+
+
+def _save_safetensors_fsynced(path: Path, weights: dict[str, torch.Tensor]) -> None:
+    """safetensors' save_file into `path`, flushed to disk (atomic_save renames it into place)."""
+    from safetensors.torch import save_file
+
+    save_file(weights, str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

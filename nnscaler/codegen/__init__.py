@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nnscaler.codegen.atomic import write_atomic
+from nnscaler.atomic_files import write_atomic
 from nnscaler.codegen.leaf_code import leaf_module_lines
 from nnscaler.codegen.pipeline_view import build_pipeline_view
 from nnscaler.codegen.render import render_module

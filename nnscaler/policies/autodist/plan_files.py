@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from nnscaler.atomic_files import write_atomic
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
 from nnscaler.policies.plan import Plan
@@ -20,7 +21,7 @@ def save_plan(plan: Plan, path: str | Path, predicted: dict | None = None) -> Pa
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"format": PLAN_FORMAT, "plan": json.loads(plan.to_json()), "predicted": predicted or {}}
-    path.write_text(json.dumps(data, indent=1))
+    write_atomic(path, json.dumps(data, indent=1))
     return path
 
 
@@ -29,7 +30,13 @@ def load_plan(path: str | Path, graph: Graph | None = None, plan_ngpus: int | No
     path = Path(path)
     if not path.exists():
         raise PlanError(f"pas_config['load_plan_path'] = {str(path)!r}: no such file")
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise PlanError(
+            f"plan file {path} cannot be read ({err}); it is truncated or not a plan: save the plan again "
+            "(pas_config['save_plan_path'] or python -m nnscaler.plan --save-plan), or drop load_plan_path"
+        ) from err
     if "format" in data and data["format"] != PLAN_FORMAT:
         raise PlanError(f"{path} is a {data['format']!r} file; autodist reads {PLAN_FORMAT!r}")
     plan = Plan.from_json(json.dumps(data.get("plan", data)))

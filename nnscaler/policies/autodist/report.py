@@ -7,6 +7,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+from nnscaler.atomic_files import write_atomic
 from nnscaler.config import ComputeConfig
 from nnscaler.graph.ir import Graph
 from nnscaler.policies.autodist.candidate import Candidate
@@ -184,5 +185,5 @@ def plan_report_text(graph: Graph, plan: Plan, cfg: ComputeConfig, whole: Sequen
 def write_plan_report(graph: Graph, plan: Plan, cfg: ComputeConfig, outdir: str | Path) -> Path:
     """Write plan_report.md for an autodist plan into `outdir` (beside the generated code)."""
     path = Path(outdir) / REPORT_NAME
-    path.write_text(plan_report_text(graph, plan, cfg))
+    write_atomic(path, plan_report_text(graph, plan, cfg))
     return path

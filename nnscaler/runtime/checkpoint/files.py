@@ -188,7 +188,8 @@ def write_rank_dir(
 
     Sequence (rank 0 unless said): mkdir `tmp`; every rank: per file `.<name>.tmp-<pid>`, fsync,
     os.replace, fsync `tmp`; `finish(tmp)`; fsync `tmp`; link foreign entries of `final` into `tmp`,
-    fsync `tmp`; rename `final` -> `old`, `tmp` -> `final`; rmtree `old`; fsync the parent.
+    fsync `tmp`; swap `tmp` and `final` atomically (renameat2 RENAME_EXCHANGE; elsewhere rename
+    `final` -> `old`, `tmp` -> `final`); rmtree the old directory; fsync the parent.
     """
     final, tmp, old = Path(final), Path(tmp), Path(old)
     error: BaseException | None = None
