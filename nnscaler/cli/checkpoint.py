@@ -127,17 +127,43 @@ def _pinned(save_dir: Path) -> set[Path]:
     return {t for t in targets if t is not None}
 
 
+def _is_ours(name: str) -> bool:
+    """A name the Trainer writes into a step directory: rank files, the merged file, complete.json."""
+    stem, dot, ext = name.partition(".")
+    return name in (COMPLETE_FILE, MERGED_FILE) or (stem.isdigit() and dot == "." and ext == "ckpt")
+
+
 def prune(save_dir: Path, keep: int) -> None:
-    """Delete all but the newest `keep` step checkpoints, never one that `last` or `best` links into."""
+    """Delete all but the newest `keep` step checkpoints, never one that `last` or `best` links into.
+
+    A step directory holding files the Trainer did not write (a user's notes, an evaluation's output)
+    loses only the Trainer's files, `complete.json` first (so it is no longer a checkpoint), and stays
+    with the user's files, with a warning naming them."""
     save_dir = Path(save_dir)
     pinned = _pinned(save_dir)
     dirs = step_dirs(save_dir)
     for d in dirs[: max(0, len(dirs) - keep)]:
-        if d.resolve() not in pinned:
-            # renamed first: a prune killed half way never leaves a step directory missing files
-            gone = d.with_name(PRUNED_PREFIX + d.name)
-            os.replace(d, gone)
-            shutil.rmtree(gone, ignore_errors=True)
+        if d.resolve() in pinned:
+            continue
+        foreign = sorted(p.name for p in d.iterdir() if not _is_ours(p.name))
+        if foreign:
+            (d / COMPLETE_FILE).unlink()
+            for p in d.iterdir():
+                if _is_ours(p.name):
+                    p.unlink()
+            fsync_dir(d)
+            logger.warning(
+                "checkpoint %s pruned (keep_last_n_checkpoints=%d): its checkpoint files are deleted, the "
+                "directory stays because it holds files nnscaler did not write: %s",
+                d,
+                keep,
+                ", ".join(foreign),
+            )
+            continue
+        # renamed first: a prune killed half way never leaves a step directory missing files
+        gone = d.with_name(PRUNED_PREFIX + d.name)
+        os.replace(d, gone)
+        shutil.rmtree(gone, ignore_errors=True)
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -198,7 +224,18 @@ def checkpoint_info(path: Path) -> dict[str, Any]:
     path = Path(path)
     if path.is_file():
         return {"save_type": "merged", "files": [path.name]}
-    return json.loads((path / COMPLETE_FILE).read_text())
+    try:
+        return json.loads((path / COMPLETE_FILE).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (no {COMPLETE_FILE}: its write was interrupted); "
+            "resume from an earlier checkpoint"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(
+            f"checkpoint {path / COMPLETE_FILE} cannot be read ({err}); it is damaged: resume from an "
+            "earlier checkpoint"
+        ) from err
 
 
 def load_file(path: Path, convert_fn: Callable[[dict], dict] | None = None) -> dict[str, Any]:

@@ -53,6 +53,31 @@ def test_trainer_checkpoint_dir_keeps_the_users_files(tmp_path):
     assert load_file(save / "0-10" / "0.ckpt")["step"] == 11
 
 
+def test_pruning_deletes_only_the_trainers_files(tmp_path, caplog):
+    from nnscaler.cli.checkpoint import COMPLETE_FILE, prune, step_dirs, write_checkpoint_dir
+
+    save = tmp_path / "ckpts"
+    for step in (10, 20, 30):
+        write_checkpoint_dir(save, f"0-{step}", 0, {"0.ckpt": {}, "1.ckpt": {}}, {"world_size": 2})
+    kept = plant(save / "0-10", USER)
+    with caplog.at_level("WARNING", logger="nnscaler.cli.checkpoint"):
+        prune(save, keep=1)
+    assert_kept(save / "0-10", kept)
+    assert not (save / "0-10" / COMPLETE_FILE).exists() and not list((save / "0-10").glob("[0-9].ckpt"))
+    assert not (save / "0-20").exists()  # nothing of the user's in it: removed whole
+    assert step_dirs(save) == [save / "0-30"]
+    assert "0-10" in caplog.text and "README.md" in caplog.text and "notes" in caplog.text
+
+
+def test_a_damaged_complete_json_is_named(tmp_path):
+    from nnscaler.cli.checkpoint import COMPLETE_FILE, checkpoint_info, write_checkpoint_dir
+
+    final = write_checkpoint_dir(tmp_path, "0-10", 0, {"0.ckpt": {}}, {"world_size": 1})
+    (final / COMPLETE_FILE).write_text('{"world_si')
+    with pytest.raises(CheckpointError, match=r"0-10/complete\.json cannot be read.*earlier checkpoint"):
+        checkpoint_info(final)
+
+
 def test_lightning_checkpoint_keeps_the_users_files(tmp_path):
     from nnscaler.integration.lightning.pytorch.checkpoint import read_rank_checkpoint, write_rank_checkpoint
 
