@@ -21,8 +21,11 @@ __all__ = ["load_model_weights", "load_sub_module_weights"]
 def _read(path: str, what: str) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError) as err:
-        raise ConfigError(f"{what}: cannot read the state dict {path!r}: {err}") from err
+    except Exception as err:  # noqa: BLE001  (a truncated or foreign file: zip, pickle or EOF errors)
+        raise ConfigError(
+            f"{what}: cannot read the state dict {path!r} ({type(err).__name__}: {err}); it is missing, "
+            "truncated or not a torch file: save it again with torch.save(model.state_dict(), path)"
+        ) from err
     if not isinstance(state, dict):
         raise ConfigError(f"{what}: {path!r} holds a {type(state).__name__}, not a state dict")
     return state

@@ -29,6 +29,7 @@ from nnscaler.parallel.verify_compare import difference
 from nnscaler.parallel.verify_locate import Finding, first_module, first_node, lost_writes
 from nnscaler.parallel.verify_program import SingleDevice, build_single_device
 from nnscaler.parallel.verify_runs import LineRecorder, ModuleRecorder, RunResult, run_once
+from nnscaler.runtime.checkpoint.files import load_file
 
 __all__ = ["VERIFY_MAX_PARAMS", "VerifyReport", "should_verify", "unverifiable", "verify_capture"]
 
@@ -114,7 +115,7 @@ def _constants(graph: Graph, outdir: Path | None) -> dict[str, torch.Tensor]:
         raise ConfigError(
             "verify needs the values of the graph's constants: pass outdir holding constants.pt"
         )
-    return torch.load(outdir / CONSTANTS_FILE, map_location="cpu", weights_only=True)
+    return load_file(outdir / CONSTANTS_FILE, weights_only=True, fix="generate again (reuse='override')")
 
 
 def _reads_mode(graph: Graph) -> bool:

@@ -29,6 +29,7 @@ from torch import nn
 
 from nnscaler.config import ComputeConfig
 from nnscaler.mesh import ParallelDims
+from nnscaler.runtime.checkpoint.files import load_file
 from nnscaler.runtime.checkpoint.formats import EXTRA_STATE_FORMAT, EXTRA_STATE_KEY
 from nnscaler.runtime.device import is_initialized, runtime_device
 from nnscaler.runtime.dist import lifecycle, preflight
@@ -334,12 +335,11 @@ class ParallelModule(
     @classmethod
     def _load_relative(cls, path: str | None) -> Mapping[str, torch.Tensor] | None:
         """torch.load a file named relative to the generated file (None: no file)."""
-        if path is None:
-            return None
         module_file = getattr(sys.modules.get(cls.__module__), "__file__", None)
-        if not os.path.isabs(path) and module_file:
+        if path is not None and not os.path.isabs(path) and module_file:
             path = os.path.join(os.path.dirname(module_file), path)
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        fix = "generate the code again (reuse='override')"
+        return None if path is None else load_file(path, weights_only=True, mmap=True, fix=fix)
 
     def load_shards(self, init_params: bool = True) -> None:
         """Allocate local tensors on `runtime_device()`; fill them from the full weights if a source is set."""

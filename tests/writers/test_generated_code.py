@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -98,3 +99,27 @@ def test_merged_checkpoints_write_beside_the_users_files(compiled, tmp_path):
         "fc2.bias",
     }
     assert set(load_file(merged)["state_dict"]) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+
+
+def test_a_truncated_generated_weights_file_is_named(compiled, tmp_path):
+    from nnscaler.errors import CheckpointError
+    from nnscaler.parallel.savedir import WEIGHTS_FILE
+
+    _, pm = compiled
+    weights = tmp_path / WEIGHTS_FILE  # the full weights a generated module loads its shards from
+    torch.save(Tiny().state_dict(), weights)
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"fullmodel\.pt cannot be read.*generate the code again"):
+        type(pm)._load_relative(str(weights))
+
+
+def test_a_truncated_tracing_state_dict_is_named(tmp_path):
+    from nnscaler.cli.tracing_weights import load_model_weights
+    from nnscaler.errors import ConfigError
+
+    path = tmp_path / "weights.pt"
+    torch.save(Tiny().state_dict(), path)
+    path.write_bytes(path.read_bytes()[:-200])
+    args = SimpleNamespace(tracing_from_weights=str(path))
+    with pytest.raises(ConfigError, match=r"tracing_from_weights.*weights\.pt.*truncated.*torch\.save"):
+        load_model_weights(args, Tiny())

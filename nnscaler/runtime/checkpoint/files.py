@@ -215,15 +215,20 @@ def write_rank_dir(
     return final
 
 
-def load_file(path: str | os.PathLike, *, weights_only: bool = False) -> Any:
+_RELOAD = "load an earlier checkpoint, or save this one again"
+
+
+def load_file(
+    path: str | os.PathLike, *, weights_only: bool = False, mmap: bool = False, fix: str = _RELOAD
+) -> Any:
     """torch.load a checkpoint file onto the CPU (weights_only=False by default: checkpoints hold training
-    arguments and random states besides tensors); CheckpointError naming the path if it cannot."""
+    arguments and random states besides tensors); CheckpointError naming the path and `fix` if it cannot."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
     except Exception as err:
         raise CheckpointError(
             f"checkpoint file {path} cannot be read ({type(err).__name__}: {err}); it is truncated, damaged "
-            "or not a torch checkpoint: load an earlier checkpoint, or save this one again"
+            f"or not a torch checkpoint: {fix}"
         ) from err
