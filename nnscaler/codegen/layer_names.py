@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from nnscaler.codegen.layer_call import PARAMS_CLASS
 from nnscaler.codegen.lines import CodeLine
+from nnscaler.graph.capture.input_keys import TEMPLATE_GLOBALS
 from nnscaler.graph.ops import op_module
 from nnscaler.graph.ops.leaf import is_leaf_op
 
@@ -20,25 +21,7 @@ __all__ = ["GROUP_NAME", "module_globals", "scan_names", "readable_names", "func
 GROUP_NAME = re.compile(r"(tp|dp|tp_axis\d+)")
 """Process groups a generated method binds first (`tp = self.group("tp")`)."""
 
-_MODULE_NAMES = frozenset(
-    {
-        "torch",
-        "F",
-        "ckpt",
-        "pytree",
-        "ParallelModule",
-        "comm",
-        "PipelineStep",
-        "TensorSpec",
-        "sync_norm",
-        "rng",
-        "math",
-        "nnscaler",
-        "_IN_SPEC",
-        "_OUT_SPEC",
-        PARAMS_CLASS,
-    }
-)
+_MODULE_NAMES = TEMPLATE_GLOBALS | {PARAMS_CLASS}
 _BUILTINS = frozenset(dir(builtins))
 _DERIVED = re.compile(r"(.+)_([A-Za-z]+)")
 

@@ -11,28 +11,16 @@ from collections.abc import Iterable
 
 from nnscaler.errors import TraceError
 
-__all__ = ["GENERATED_NAMES", "check_input_keys"]
+__all__ = ["TEMPLATE_GLOBALS", "GENERATED_NAMES", "check_input_keys"]
 
-GENERATED_NAMES = frozenset(
-    {
-        "math",
-        "torch",
-        "F",
-        "ckpt",
-        "pytree",
-        "ParallelModule",
-        "comm",
-        "PipelineStep",
-        "TensorSpec",
-        "sync_norm",
-        "rng",
-        "GenModel",
-        "_IN_SPEC",
-        "_OUT_SPEC",
-        "leaves",
-        "spec",
-    }
+TEMPLATE_GLOBALS = frozenset(
+    {"math", "torch", "F", "ckpt", "pytree", "ParallelModule", "comm", "PipelineStep", "TensorSpec"}
+    | {"sync_norm", "rng", "nnscaler", "_IN_SPEC", "_OUT_SPEC"}
 )
+"""The imports and constants every generated file (codegen/templates/gencode.py.j2) binds at module
+level; codegen's layer functions read them as globals too."""
+
+GENERATED_NAMES = TEMPLATE_GLOBALS | {"GenModel", "leaves", "spec"}
 """Module-level names of the generated file and the locals its input lines bind (a parameter of that
 name would shadow them)."""
 
