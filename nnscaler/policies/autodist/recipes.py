@@ -49,6 +49,10 @@ def _scale(setup: PlannerSetup, dp: int, m: int = 1) -> float:
 
 
 def _options(setup: PlannerSetup, dp: int, nmicros: int, pp: int) -> list[int]:
+    """Micro-batch counts a recipe tries: the request's (`--nmicros` / pipeline_nmicros), as the search
+    does, else (a fixed global batch) the search's own choices; never fewer than its stages."""
+    if setup.global_batch and setup.nmicros:
+        return [max(setup.nmicros, pp)]
     if setup.global_batch:
         return [m for m in micro_options(replace(setup, nmicros=None), dp) if m >= pp] or [pp]
     return [max(nmicros, pp) if pp > 1 else nmicros]
