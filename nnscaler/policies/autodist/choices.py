@@ -22,6 +22,7 @@ from nnscaler.policies.autodist.cost import CostContext, compute_time, is_free_o
 from nnscaler.policies.autodist.expert_gemm import ExpertShapes, experts_time
 from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.memory import MemoryModel
+from nnscaler.policies.autodist.saved_tensors import Kept, kept_bytes_plan
 from nnscaler.policies.blocks import blocks_hint
 from nnscaler.policies.plan import REPLICATE, NodePlan
 
@@ -190,15 +191,19 @@ def node_choices(
     constraints: PartitionConstraints | None = None,
     saved: bool = True,
     only: NodePlan | None = None,
+    recompute: tuple[str, ...] = (),
 ) -> NodeChoices:
     """Every allowed partition of `node` over ctx.ways devices with its costs.
 
     owned_params: parameters whose memory and data-parallel gradient sync this node accounts for
-    (each parameter is owned by its first reader). saved: its outputs are kept for backward (False
-    inside recomputed modules). only: cost just this plan (a fixed plan being evaluated).
+    (each parameter is owned by its first reader). saved: False counts no activations at all.
+    recompute: the recomputed module paths (saved_tensors.py: what the node's outputs keep for
+    backward, each saved value once, at its storage; inside a recomputed module only its inputs).
+    only: cost just this plan (a fixed plan being evaluated).
     """
     refs, bound, rule = _structure(graph, node)
     out = NodeChoices(node, list(refs))
+    kept = kept_bytes_plan(graph, recompute).get(node.name) if ctx.training else None
     metas_in = [graph.values[r].meta for r in refs]
     metas_out = [graph.values[o].meta for o in node.outputs]
     in_bytes = [ctx.value_bytes(graph, r) for r in refs]
@@ -249,9 +254,9 @@ def node_choices(
             comm=_internal_comm(bound, rule, plan, in_bytes, out_bytes, ctx),
             bias_slot=rule.bias_input if _bias_axes(bound, rule, plan, ctx) else None,
         )
-        # a view (or a no-op cast) shares its input's storage, counted where made (twice: Llama-3-8B x1.3)
-        keeps = saved and ctx.training and not free
-        act = sum(local_bytes(b, o, ways, mesh) for b, o in zip(out_bytes, outs)) if keeps else 0.0
+        act = (
+            _kept_bytes(graph, refs, node, kept, in_bytes, out_bytes, ins, outs, ways, ctx) if saved else 0.0
+        )
         mem = memory.param_state_bytes(param_local, pctx) + act * memory.activation_factor
         out.choices.append(Choice(plan, ins, outs, compute, comm, mem, sync, param_local, act))
     if not out.choices and constraints:  # the rules forbid every partition the shapes allow
@@ -261,6 +266,23 @@ def node_choices(
         compute = compute_time(flops, sum(in_bytes) + sum(out_bytes), ctx, dtype, matmul)
         out.choices.append(_replicated(node, metas_in, compute))
     return out
+
+
+def _kept_bytes(graph: Graph, refs, node: Node, kept: Kept | None, in_bytes, out_bytes, ins, outs, ways, ctx):
+    """Bytes per device this node's outputs keep for backward in this choice's layouts (Kept)."""
+    if kept is None:
+        return 0.0
+    mesh = ctx.mesh
+    total = sum(local_bytes(out_bytes[i], outs[i], ways, mesh) for i in kept.outputs)
+    for side, i, elems, size in kept.extras:
+        names, lays, whole = (refs, ins, in_bytes) if side == "in" else (node.outputs, outs, out_bytes)
+        if i >= len(names):
+            continue
+        meta = graph.values[names[i]].meta
+        nbytes = elems * (size or ctx.elem_bytes(meta.dtype)) * ctx.value_scale(graph, names[i])
+        share = local_bytes(whole[i], lays[i], ways, mesh) / whole[i] if whole[i] else 1.0
+        total += nbytes * share
+    return total
 
 
 def _experts_compute(

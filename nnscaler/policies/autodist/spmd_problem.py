@@ -88,11 +88,9 @@ def _choice_table(
     for name in reps:
         node = index[name]
         owned_here = owned_by.get(name, set())
-        saved = not any(
-            node.module_path == r or node.module_path.startswith(r + ".") or r == "" for r in recompute
-        )
         only = fixed.get(name) if fixed else None
-        nc = node_choices(graph, node, ctx, memory, owned_here, None if only else constraints, saved, only)
+        cons = None if only else constraints
+        nc = node_choices(graph, node, ctx, memory, owned_here, cons, only=only, recompute=tuple(recompute))
         if fixed and name in fixed:
             keep = [c for c in nc.choices if c.plan == fixed[name]]
             if not keep:
