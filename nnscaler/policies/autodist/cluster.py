@@ -2,7 +2,9 @@
 
     name: 8x H100 over InfiniBand
     device: h100            # a key of nnscaler.policies.autodist.devices.DEVICES, or a mapping
-                            # {name: h100, bf16_tflops: 900, ...} changing some of its figures
+                            # {name: h100, bf16_tflops: 900, ...} changing some of its figures,
+                            # e.g. {name: h100, power_w: 500} or {name: a100, clock_mhz: 1200}:
+                            # caps that scale the compute peak (autodist/gemm_efficiency.py)
     nodes: 8
     devices_per_node: 8
     intra_node: {bandwidth_gbs: 450, latency_us: 3}    # NVLink, per device, one direction
@@ -106,6 +108,9 @@ _DEVICE_LIMITS = {  # DeviceSpec figure -> (lowest, lowest allowed itself, highe
     "matmul_efficiency": (0.0, False, 1.0),
     "mem_efficiency": (0.0, False, 1.0),
     "kernel_overhead_us": (0.0, True, None),
+    "gemm_half_gflops": (0.0, True, None),
+    "clock_mhz": (0.0, False, None),
+    "power_w": (0.0, False, None),
 }
 
 

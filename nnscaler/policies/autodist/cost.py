@@ -126,10 +126,11 @@ class CostContext:
 
 
 def compute_time(flops: float, nbytes: float, ctx: CostContext, dtype: str, matmul: bool) -> float:
-    """Roofline time of one op: max(FLOPs / sustained peak, bytes / sustained bandwidth) + launch."""
+    """Roofline time of one op: max(FLOPs / sustained peak, bytes / sustained bandwidth) + launch; a
+    matmul sustains the device's fraction for its FLOPs per call (gemm_efficiency.py)."""
     dev = ctx.cluster.device
     dt = ctx.compute_dtype or dtype
-    peak = dev.tflops(dt) * 1e12 * (dev.matmul_efficiency if matmul else 0.5)
+    peak = dev.tflops(dt) * 1e12 * (dev.matmul_fraction(flops) if matmul else 0.5)
     bw = dev.mem_bw_gbs * 1e9 * dev.mem_efficiency
     fwd = max(flops / peak, nbytes / bw) + dev.kernel_overhead_us * 1e-6
     return fwd * (3.0 if ctx.training else 1.0)
