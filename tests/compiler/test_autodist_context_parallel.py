@@ -104,10 +104,12 @@ def test_short_sequence_keeps_context_parallelism_off(short_graph):
     plan = plan_from_candidate(short_graph, best, setup)
     assert plan.context_parallel is None
     assert "## Context parallelism" not in plan_report(short_graph, plan, setup, recipes=False)
-    # and the cost model agrees: cp pinned at 2K is predicted slower than the plan taken
+    # a pin is honoured and not weighed against cp 1. (Since the gradient sync overlaps backward (issue
+    # 42), the cost model prices cp=2 x tp=4 at 2K below tp=8 on this plan without data parallelism:
+    # cp then acts as a batch split whose all-reduce hides; the short-sequence rule still keeps cp off.)
     pinned, _, _ = _search(short_graph, cp_size=2)
-    assert pinned.cp.size == 2 and pinned.step_time > best.step_time
-    assert "cp=1" not in dict(pinned.cp_rejected)  # a pin is not weighed against cp 1
+    assert pinned.cp.size == 2
+    assert "cp=1" not in dict(pinned.cp_rejected)
 
 
 def test_pinned_degree_and_kind_are_honoured(long_graph, short_graph):

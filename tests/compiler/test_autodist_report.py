@@ -29,6 +29,8 @@ def test_compile_writes_plan_report(tmp_path):
     assert "| **total** |" in report
     recipes = report.split("## Standard recipes")[1]
     assert "DP x4 + ZeRO-1" in recipes and "Megatron TP2 x PP1 x DP2" in recipes
+    # the comparison with the best recipe that fits carries the model's error on published runs
+    assert "than the best recipe that fits (" in recipes and "error against published runs" in recipes
     assert "gencode0.py" in {p.name for p in tmp_path.iterdir()}
 
 

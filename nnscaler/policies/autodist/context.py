@@ -15,6 +15,7 @@ from nnscaler.policies.autodist.cost import CostContext
 from nnscaler.policies.autodist.dataflow import crossing_values
 from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.memory import MemoryModel
+from nnscaler.policies.autodist.overlap import OverlapModel
 from nnscaler.policies.expert_parallel import experts_nodes
 from nnscaler.runtime.grads.buckets import DEFAULT_BUCKET_CAP_MB
 
@@ -25,6 +26,7 @@ __all__ = [
     "stage_context",
     "transient_bytes",
     "fixed_costs",
+    "local_weight_bytes",
     "segment_input",
 ]
 
@@ -84,6 +86,8 @@ class PlannerSetup:
     """Expert-parallel degree per stage: None searches it (autodist/ep_search.py), 1 is off."""
     ep_degree: int = 1
     """The ep degree this setup is the per-rank problem of (set by the ep search, as cp_degree)."""
+    overlap: OverlapModel = field(default_factory=OverlapModel)
+    """How much of the data-parallel sync hides behind compute (autodist/overlap.py)."""
 
 
 MAX_MESHES = 6
@@ -169,19 +173,28 @@ def _expert_weights(graph: Graph) -> frozenset[str]:
 
 def fixed_costs(graph: Graph, setup: PlannerSetup, ctx: CostContext, nmicros: int, stages: int = 1) -> float:
     """Seconds per step that do not belong to one op: the per-micro-batch overhead on the critical
-    path ((nmicros + stages - 1) slots of a pipeline), the latency of the gradient buckets, and the
-    runtime's check that the ranks of a plan got inputs of one shape (an all-gather of one int64 per
-    forward call, or per train_step of a pipeline; runtime/dist/preflight.py)."""
-    experts = _expert_weights(graph)  # 1/ep of them per rank under expert parallelism
-    weight_bytes = sum(
-        ctx.value_bytes(graph, name) / (ctx.ep_degree if name in experts else 1)
-        for name, v in graph.values.items()
-        if v.kind == "param"
-    ) / max(ctx.ways * stages, 1)
-    latency = setup.memory.grad_sync_latency(weight_bytes, ctx, setup.bucket_bytes)
+    path ((nmicros + stages - 1) slots of a pipeline) and the runtime's check that the ranks of a plan
+    got inputs of one shape (an all-gather of one int64 per forward call, or per train_step of a
+    pipeline; runtime/dist/preflight.py). The gradient buckets' latency is the sync's
+    (step_time.py: it overlaps compute with the rest of the sync)."""
     checks = nmicros if stages == 1 else 1
     check = all_gather(8.0 * setup.plan_ngpus, setup.plan_ngpus, setup.cluster.link(setup.plan_ngpus))
-    return (nmicros + stages - 1) * setup.step_overhead + latency + checks * check
+    return (nmicros + stages - 1) * setup.step_overhead + checks * check
+
+
+def local_weight_bytes(graph: Graph, ctx: CostContext, stages: int = 1) -> float:
+    """Bytes of weights one device holds on average: split over the stage's devices and the stages
+    (the experts' 1/ep of them per rank under expert parallelism)."""
+    experts = _expert_weights(graph)
+    memo = graph_memo(graph).setdefault("weight_bytes", {})
+    key = (ctx.compute_dtype, ctx.ep_degree)
+    if key not in memo:
+        memo[key] = sum(
+            ctx.value_bytes(graph, name) / (ctx.ep_degree if name in experts else 1)
+            for name, v in graph.values.items()
+            if v.kind == "param"
+        )
+    return memo[key] / max(ctx.ways * stages, 1)
 
 
 def segment_input(graph: Graph, ctx: CostContext, index: int) -> float:

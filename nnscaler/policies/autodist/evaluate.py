@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from nnscaler.graph.ir import Graph
 from nnscaler.policies.autodist.candidate import Candidate
-from nnscaler.policies.autodist.comm import send_recv
-from nnscaler.policies.autodist.context import PlannerSetup, fixed_costs, segment_input, stage_context
+from nnscaler.policies.autodist.context import PlannerSetup, stage_context
 from nnscaler.policies.autodist.layers import fold_layers
 from nnscaler.policies.autodist.spmd import solve_spmd
+from nnscaler.policies.autodist.step_time import RECOMPUTE_FACTOR, flat_step, pipelined_step, stage_memory
 from nnscaler.policies.plan import REPLICATE, NodePlan, Plan
 
 __all__ = ["evaluate_nodes", "evaluate_plan"]
@@ -26,9 +25,11 @@ def evaluate_nodes(
     nmicros: int = 1,
     recompute: tuple[str, ...] = (),
     mesh: tuple[int, ...] = (),
+    scheduler: str = "1f1b",
 ) -> Candidate:
     """The predicted step time and memory of per-node splits over plan_ngpus // pp devices per stage
-    (`mesh`: the stage mesh of nodes with 2-D splits)."""
+    (`mesh`: the stage mesh of nodes with 2-D splits). `starts` may hold more stages than the pp device
+    groups: v stages per group under `scheduler` '1f1b_interleaved' (or the V-shaped schedules)."""
     tp = setup.plan_ngpus // pp
     ctx = replace(stage_context(setup, tp), mesh=mesh)
     fixed = {n.name: nodes.get(n.name, REPLICATE) for n in graph.nodes}
@@ -50,33 +51,27 @@ def evaluate_nodes(
         fold=uniform,
         nmicros=nmicros,
     )
-    factor = 4.0 / 3.0 if recompute else 1.0
     if pp == 1:
+        step = flat_step(graph, setup, ctx, res.time, res.sync, nmicros, bool(recompute))
         return Candidate(
-            1,
-            tp,
-            nmicros,
-            bool(recompute),
-            res.time * nmicros * factor + res.sync + fixed_costs(graph, setup, ctx, nmicros),
-            res.memory,
-            res,
-            recompute_paths=recompute,
+            1, tp, nmicros, bool(recompute), step.step, res.memory, res, recompute_paths=recompute
         )
+    factor = RECOMPUTE_FACTOR if recompute else 1.0
     starts = sorted(starts or [0])
     bounds = starts + [len(graph.nodes)]
-    stage_times, mems, syncs = [], [], []
+    stage_times, acts, params, syncs = [], [], [], []
     for s in range(len(starts)):
         names = [graph.nodes[i].name for i in range(bounds[s], bounds[s + 1])]
         stage_times.append(sum(res.node_time[n] for n in names) * factor)
         act = sum(res.choice[n].activation_bytes for n in names)
-        par = sum(res.node_memory[n] for n in names) - act
-        mems.append(par + act * min(len(starts) - s, nmicros))
+        acts.append(act)
+        params.append(sum(res.node_memory[n] for n in names) - act)
         syncs.append(sum(res.node_sync[n] for n in names))
-    hop = max((segment_input(graph, ctx, i) for i in starts[1:]), default=0.0)
-    p2p = 2 * (len(starts) - 1) * send_recv(hop, 2, setup.cluster.link(2, tp))
-    step = (nmicros + len(starts) - 1) * max(stage_times) + p2p + max(syncs)
-    step += fixed_costs(graph, setup, ctx, nmicros, len(starts))
-    return Candidate(pp, tp, nmicros, bool(recompute), step, max(mems), res, starts, stage_times, recompute)
+    step = pipelined_step(
+        graph, setup, ctx, stage_times, syncs, starts, pp, nmicros, bool(recompute), scheduler
+    )
+    memory = max(stage_memory(params, acts, scheduler, pp, nmicros))
+    return Candidate(pp, tp, nmicros, bool(recompute), step.step, memory, res, starts, stage_times, recompute)
 
 
 def evaluate_plan(graph: Graph, setup: PlannerSetup, plan: Plan) -> Candidate:
@@ -87,8 +82,6 @@ def evaluate_plan(graph: Graph, setup: PlannerSetup, plan: Plan) -> Candidate:
             graph, setup, plan.nodes, nmicros=setup.nmicros or 1, recompute=plan.recompute, mesh=plan.mesh
         )
     p = plan.pipeline
-    if p.nstages != p.pp_size:
-        return Candidate(p.pp_size, plan.tp_size, p.nmicros, False, math.nan, math.nan, None)  # type: ignore[arg-type]
     return evaluate_nodes(
         graph,
         setup,
@@ -98,4 +91,5 @@ def evaluate_plan(graph: Graph, setup: PlannerSetup, plan: Plan) -> Candidate:
         nmicros=p.nmicros,
         recompute=plan.recompute,
         mesh=plan.mesh,
+        scheduler=p.scheduler,
     )

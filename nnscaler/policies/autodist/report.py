@@ -13,6 +13,7 @@ from nnscaler.graph.ir import Graph
 from nnscaler.policies.autodist.candidate import Candidate
 from nnscaler.policies.autodist.context import PlannerSetup
 from nnscaler.policies.autodist.cp_search import evaluate_any_plan
+from nnscaler.policies.autodist.model_error import speedup_words
 from nnscaler.policies.autodist.policy import planner_setup
 from nnscaler.policies.autodist.recipes import standard_recipes
 from nnscaler.policies.autodist.report_cp import cp_report_lines
@@ -112,7 +113,8 @@ def _recipes(graph: Graph, setup: PlannerSetup, cand: Candidate, scored: list[Ca
         f"| **autodist: {cand.label()}** | {_ms(cand.step_time)} | {_gb(cand.memory)} | "
         f"{'yes' if cand.memory <= setup.mem_limit else 'no'} | |",
     ]
-    for r in standard_recipes(graph, setup, setup.plan_ngpus * setup.dp_size, cand.nmicros):
+    recipes = standard_recipes(graph, setup, setup.plan_ngpus * setup.dp_size, cand.nmicros)
+    for r in recipes:
         why = "; ".join(why_not_taken(r, setup, scored)) if r.candidate.step_time < cand.step_time else ""
         lines.append(
             f"| {r.name} | {_ms(r.candidate.step_time)} | {_gb(r.candidate.memory)} | "
@@ -122,7 +124,15 @@ def _recipes(graph: Graph, setup: PlannerSetup, cand: Candidate, scored: list[Ca
         note = "split over its data-parallel replicas and its best micro-batch count."
     else:
         note = "(its micro-batches grow or shrink with its data-parallel degree) and the same micro-batches."
-    return lines + ["", f"Every recipe takes the same global batch per step as the chosen plan, {note}"]
+    lines += ["", f"Every recipe takes the same global batch per step as the chosen plan, {note}"]
+    fitting = [r for r in recipes if r.fits]
+    if fitting:
+        best = min(fitting, key=lambda r: r.candidate.step_time)
+        words = speedup_words(
+            cand.step_time, best.candidate.step_time, f"the best recipe that fits ({best.name})"
+        )
+        lines += ["", words] if words else []
+    return lines
 
 
 def _modules(graph: Graph, plan: Plan, setup: PlannerSetup, res) -> list[str]:

@@ -14,7 +14,6 @@ from nnscaler.policies.autodist.candidate import Candidate
 from nnscaler.policies.autodist.comm import send_recv
 from nnscaler.policies.autodist.context import (
     PlannerSetup,
-    fixed_costs,
     segment_input,
     stage_context,
     transient_bytes,
@@ -27,6 +26,7 @@ from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.pipeline_dp import native_available, stage_dp
 from nnscaler.policies.autodist.spmd import solve_spmd
 from nnscaler.policies.autodist.spmd_problem import MEMORY_ADVICE
+from nnscaler.policies.autodist.step_time import RECOMPUTE_FACTOR, flat_step, pipelined_step, stage_memory
 from nnscaler.policies.op_cost import graph_costs
 from nnscaler.policies.stage_balance import MAX_CANDIDATES, Segments, choose_stages
 from nnscaler.policies.tp import pas_tp
@@ -71,8 +71,7 @@ def _spmd_candidate(graph: Graph, setup: PlannerSetup, layer_paths: tuple[str, .
         except PlanError as exc:
             error = exc
             continue
-        factor = 4.0 / 3.0 if paths else 1.0  # recomputed modules run their forward twice
-        step = res.time * m * factor + res.sync + fixed_costs(graph, setup, ctx, m)
+        step = flat_step(graph, setup, ctx, res.time, res.sync, m, bool(paths)).step
         return Candidate(1, setup.plan_ngpus, m, rc, step, res.memory, res, recompute_paths=paths)
     raise error
 
@@ -153,7 +152,7 @@ def _score_pipeline(
     blocks first, finer places where blocks are too unequal), costed by this plan's node times."""
     tp = ctx.ways
     own_rc = rc and not setup.recompute
-    factor = 4.0 / 3.0 if (own_rc or setup.recompute) else 1.0
+    factor = RECOMPUTE_FACTOR if (own_rc or setup.recompute) else 1.0
     names = [n.name for n in graph.nodes]
     time = [res.node_time[n] * factor for n in names]
     act = [res.choice[n].activation_bytes for n in names]
@@ -197,11 +196,14 @@ def _score_pipeline(
         sb = choice.starts + [len(names)]
         spans = [(sb[s], sb[s + 1]) for s in range(pp)]
         stage_times = [sum(time[a:b]) for a, b in spans]
-        sync = max(sum(res.node_sync[n] for n in names[a:b]) for a, b in spans)
-        hop = max(segment_input(graph, ctx, i) for i in choice.starts[1:])  # this device's share
-        p2p = 2 * (pp - 1) * send_recv(hop, 2, link)
-        step = (m + pp - 1) * max(stage_times) + p2p + sync + fixed_costs(graph, setup, ctx, m, pp)
-        mem = max(sum(param[a:b]) + sum(act[a:b]) * min(pp - s, m) for s, (a, b) in enumerate(spans))
+        syncs = [sum(res.node_sync[n] for n in names[a:b]) for a, b in spans]
+        rc_any = own_rc or bool(setup.recompute)
+        step = pipelined_step(graph, setup, ctx, stage_times, syncs, choice.starts, pp, m, rc_any).step
+        mem = max(
+            stage_memory(
+                [sum(param[a:b]) for a, b in spans], [sum(act[a:b]) for a, b in spans], "1f1b", pp, m
+            )
+        )
         paths = layer_paths if own_rc else setup.recompute
         out.append(Candidate(pp, tp, m, rc, step, mem, res, choice.starts, stage_times, paths))
     return out
