@@ -5,7 +5,8 @@ Every row of benchmarks/published_runs.yaml: the model is built on the meta devi
 captured once per (architecture, sequence) at batch 2; the PUBLISHED layout is pinned and costed with
 the planner's own model (evaluate_nodes: the tp policy's Megatron splits over the row's tp degree,
 balanced pipeline stages of whole decoder layers, dp replicas with the row's ZeRO stage, micro-batch
-size through batch_scale, its micro-batch count, every decoder layer recomputed under `full`); the
+size through batch_scale, its micro-batch count, every decoder layer recomputed under `full`, halfway
+under `selective_op`, Llama 3's interleaved schedule with pp x vpp stages); the
 predicted step time is turned into the row's published figure with the source's FLOPs convention.
 
 Prints one JSON line per row (predicted, published, ratio = predicted / published, memory per GPU and
@@ -92,7 +93,10 @@ class Captures:
         if key not in self._graphs:
             model, inputs = build_model(run)
             params = sum(p.numel() for p in model.parameters())
-            self._graphs[key] = (capture(model, inputs, both_modes=False), params)
+            graph = capture(
+                model, inputs, both_modes=False, static_shapes=True
+            )  # costing needs no open sizes
+            self._graphs[key] = (graph, params)
         return self._graphs[key]
 
 
@@ -148,8 +152,15 @@ def cost_row(run: PublishedRun, graph, device_overrides: dict | None = None):
         kwargs["starts"] = balanced_starts(graph, [idx[0] for _, idx in instances][1:], nstages)
         if interleaved:
             kwargs["scheduler"] = "1f1b_interleaved"
-    recompute = layers if lay["recompute"] == "full" else ()
+    recompute = layers if lay["recompute"] in ("full", "selective_op") else ()
     cand = evaluate_nodes(graph, setup, nodes, pp=pp, nmicros=run.nmicros, recompute=recompute, **kwargs)
+    if lay["recompute"] == "selective_op":  # half the forward recomputed: halfway between none and full
+        none = evaluate_nodes(graph, setup, nodes, pp=pp, nmicros=run.nmicros, **kwargs)
+        cand = replace(
+            cand,
+            step_time=(cand.step_time + none.step_time) / 2,
+            memory=(cand.memory + none.memory) / 2,
+        )
     transient = transient_bytes(graph, stage_context(setup, tp, pp > 1), setup)
     return cand, setup, transient
 

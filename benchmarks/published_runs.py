@@ -19,7 +19,7 @@ __all__ = ["PublishedRun", "load_rows", "SPLITS", "KINDS", "RECOMPUTE", "DEFAULT
 DEFAULT_PATH = Path(__file__).with_name("published_runs.yaml")
 SPLITS = ("calibrate", "held_aside")
 KINDS = ("tokens_per_s_per_gpu", "tflops_per_gpu_hw", "mfu_megatron", "mfu_6n", "step_s")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "selective_op", "full")
 SCHEDULERS = ("none", "1f1b", "1f1b_interleaved", "gpipe")
 
 _MODEL = {
