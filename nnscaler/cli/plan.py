@@ -56,7 +56,10 @@ def _at_sizes(graph, result, specs: list[str]) -> str:
 def _mesh_line(result) -> str:
     """Which mesh the plan's 2-D splits use, and what the search tried."""
     tried = result.best.spmd.stats.get("meshes") or {}
-    costs = ", ".join(f"{m} {'infeasible' if t is None else f'{t / 1e3:.3f} ms'}" for m, t in tried.items())
+    costs = ", ".join(
+        f"{m} {'infeasible' if t is None else t if isinstance(t, str) else f'{t / 1e3:.3f} ms'}"
+        for m, t in tried.items()
+    )
     chosen = "x".join(map(str, result.plan.mesh)) if result.plan.mesh else "none (1-D splits only)"
     return f"\nMesh of each stage's devices: {chosen}" + (f" (searched: {costs})" if costs else "") + "\n"
 

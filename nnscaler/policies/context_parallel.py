@@ -15,7 +15,7 @@ sequence split on axis 0 and its `tp` split on axis 1.
 from __future__ import annotations
 
 from nnscaler.errors import PlanError
-from nnscaler.graph.ir import Graph, Node, Shard, iter_refs
+from nnscaler.graph.ir import Graph, Node, Shard, graph_fact, iter_refs
 from nnscaler.graph.ops import BoundAnno, annotate_node, get_rule, layouts_for, mesh_layouts_for
 from nnscaler.graph.ops.attention import CONTEXT_PARALLEL_ATTENTION
 from nnscaler.graph.ops.leaf import is_leaf_op
@@ -52,7 +52,12 @@ def context_parallel_of(opts: ContextParallelOptions) -> ContextParallel | None:
 
 
 def attention_nodes(graph: Graph) -> list[Node]:
-    """The attention nodes that may be split by sequence (self-attention: one sequence for q and k)."""
+    """The attention nodes that may be split by sequence (self-attention: one sequence for q and k);
+    once per graph (the planner asks for every configuration it costs)."""
+    return list(graph_fact(graph, "attention_nodes", _attention_nodes))
+
+
+def _attention_nodes(graph: Graph) -> tuple[Node, ...]:
     out = []
     for node in graph.nodes:
         rule = get_rule(node.op)
@@ -61,7 +66,7 @@ def attention_nodes(graph: Graph) -> list[Node]:
         bound = annotate_node(node, graph)
         if bound is not None and "s" in bound.sizes and bound.anno.inputs[1].dims[-2].ids[0] == "s":
             out.append(node)
-    return out
+    return tuple(out)
 
 
 def _sequence_length(graph: Graph) -> int:

@@ -55,7 +55,14 @@ class OpAnno:
         return ", ".join(map(str, self.inputs)) + " -> " + ", ".join(map(str, self.outputs))
 
     def flag_of(self, ident: str) -> str:
-        """The flag an identifier carries anywhere in the annotation ('^' wins over '+' over '')."""
+        """The flag an identifier carries anywhere in the annotation ('^' wins over '+' over '');
+        once per identifier of this (frozen) annotation, kept beside its fields (no part of eq)."""
+        memo = self.__dict__.setdefault("_flags", {})
+        if ident not in memo:
+            memo[ident] = self._flag_of(ident)
+        return memo[ident]
+
+    def _flag_of(self, ident: str) -> str:
         flags = {
             f
             for t in self.inputs + self.outputs

@@ -46,7 +46,19 @@ def split_layouts(
     bound: BoundAnno, ident: str, ways: int, blocks: int = 1, allow_fixed: bool = False
 ) -> SplitLayouts | str:
     """Layouts when the op is split `ways` ways on `ident` (each of `blocks` blocks split), or why not.
-    allow_fixed: split a `^` identifier too (a special whose local code makes it right)."""
+    allow_fixed: split a `^` identifier too (a special whose local code makes it right).
+    Kept on the (frozen) bound annotation: the tp and cp policies and the planner ask for the same
+    split of the same node hundreds of thousands of times (Llama-3-405B's offline plan)."""
+    memo = bound.__dict__.setdefault("_split_layouts", {})  # not a field: no part of eq or repr
+    key = (ident, ways, blocks, allow_fixed)
+    if key not in memo:
+        memo[key] = _split_layouts(bound, ident, ways, blocks, allow_fixed)
+    return memo[key]
+
+
+def _split_layouts(
+    bound: BoundAnno, ident: str, ways: int, blocks: int, allow_fixed: bool
+) -> SplitLayouts | str:
     anno = bound.anno
     size = bound.sizes.get(ident)
     if size is None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
 from nnscaler.graph.ir import Graph
 from nnscaler.graph.ops import annotate_node
@@ -17,11 +16,11 @@ from nnscaler.policies.autodist.context import PlannerSetup, stage_context, tran
 from nnscaler.policies.autodist.ep_search import cost_with_ep, ep_setup
 from nnscaler.policies.autodist.evaluate import evaluate_nodes
 from nnscaler.policies.autodist.layers import layer_instances
+from nnscaler.policies.autodist.memo import tp_policy_nodes
 from nnscaler.policies.autodist.search import divisors, micro_options
 from nnscaler.policies.expert_parallel import experts_nodes
 from nnscaler.policies.plan import REPLICATE, NodePlan
 from nnscaler.policies.stage_balance import balanced_starts
-from nnscaler.policies.tp import pas_tp
 
 __all__ = ["Recipe", "standard_recipes"]
 
@@ -96,7 +95,7 @@ def standard_recipes(graph: Graph, setup: PlannerSetup, ndevices: int, nmicros: 
     for tp in divisors(ndevices):
         if tp > setup.cluster.devices_per_node:
             continue
-        tp_nodes = pas_tp(graph, ComputeConfig(tp, tp)).nodes if tp > 1 else {}
+        tp_nodes = tp_policy_nodes(graph, tp) if tp > 1 else {}
         for pp in divisors(ndevices // tp):
             if pp > 1 and (not setup.end2end or pp > len(layer_starts)):
                 continue
@@ -130,7 +129,7 @@ def _ep_recipes(graph: Graph, setup: PlannerSetup, ndevices: int, nmicros: int, 
     for ep in (d for d in divisors(ndevices) if d > 1 and all(e % d == 0 for e in experts)):
         for tp in (t for t in divisors(ndevices // ep) if t <= setup.cluster.devices_per_node):
             dp = ndevices // (ep * tp)
-            tp_nodes = pas_tp(graph, ComputeConfig(tp, tp)).nodes if tp > 1 else {}
+            tp_nodes = tp_policy_nodes(graph, tp) if tp > 1 else {}
             best = None
             for m in _options(setup, dp * ep, nmicros, 1):
                 real = replace(setup, plan_ngpus=ep * tp, dp_size=dp, batch_scale=_scale(setup, dp, m))
