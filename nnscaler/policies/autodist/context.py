@@ -16,6 +16,7 @@ from nnscaler.policies.autodist.dataflow import crossing_values
 from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.autodist.overlap import OverlapModel
+from nnscaler.policies.autodist.saved_tensors import recompute_peak
 from nnscaler.policies.expert_parallel import experts_nodes
 from nnscaler.runtime.grads.buckets import DEFAULT_BUCKET_CAP_MB
 
@@ -148,10 +149,17 @@ def stage_context(setup: PlannerSetup, ways: int, pipelined: bool = False) -> Co
     )
 
 
-def transient_bytes(graph: Graph, ctx: CostContext, setup: PlannerSetup) -> float:
+def transient_bytes(
+    graph: Graph, ctx: CostContext, setup: PlannerSetup, recompute: tuple[str, ...] | None = None
+) -> float:
     """Bytes per device of transient buffers (communication, the largest op's workspace): a multiple of
     the largest value of the graph (MemoryModel.transient_mem_coef), the experts' stacked weights left
-    out (a kernel or a ZeRO-3 gather holds one expert's at a time); once per graph and batch."""
+    out (a kernel or a ZeRO-3 gather holds one expert's at a time); once per graph and batch. Under
+    recompute (`recompute`, else setup.recompute) at least what the largest recomputed module saves
+    again while its backward runs (saved_tensors.recompute_peak; the larger of the two, measured on the
+    zoo: benchmarks/memory_model_vs_measured.py)."""
+    paths = setup.recompute if recompute is None else recompute
+    rerun = recompute_peak(graph, tuple(paths), ctx) if paths and ctx.training else 0.0
     memo = graph_memo(graph).setdefault("largest_value", {})
     key = (ctx.batch_scale, ctx.traced_batch, ctx.compute_dtype)
     if key not in memo:
@@ -160,7 +168,8 @@ def transient_bytes(graph: Graph, ctx: CostContext, setup: PlannerSetup) -> floa
             (ctx.value_bytes(graph, v) for v in graph.values if graph.values[v].meta and v not in experts),
             default=0.0,
         )
-    return setup.memory.transient_mem_coef * memo[key] / max(ctx.ways, 1)
+    # one working set: the rerun happens in backward, after the loss's (largest) buffers are freed
+    return max(setup.memory.transient_mem_coef * memo[key] / max(ctx.ways, 1), rerun)
 
 
 def _expert_weights(graph: Graph) -> frozenset[str]:

@@ -29,8 +29,9 @@ class MemoryModel:
     """Transient buffers (communication, the largest op's workspace) as a multiple of the largest
     activation of a step (nnScaler's `transient_mem_coef`)."""
 
-    def param_state_bytes(self, weight_bytes: float, ctx: CostContext) -> float:
-        """Weights + gradients + optimizer state of `weight_bytes` of local weights."""
+    def param_state_parts(self, weight_bytes: float, ctx: CostContext) -> dict[str, float]:
+        """{'weights', 'gradients', 'optimizer'}: bytes per device of `weight_bytes` of local weights,
+        each divided over the data-parallel replicas from the ZeRO stage that shards it."""
         dp = max(ctx.dp_size, 1)
         opt = weight_bytes * self.optimizer_bytes_per_param_byte
         if self.mixed_precision:
@@ -43,7 +44,13 @@ class MemoryModel:
             grads /= dp
         if self.zero_stage >= 3:
             weights /= dp
-        return weights + grads + opt if ctx.training else weights
+        if not ctx.training:
+            return {"weights": weights, "gradients": 0.0, "optimizer": 0.0}
+        return {"weights": weights, "gradients": grads, "optimizer": opt}
+
+    def param_state_bytes(self, weight_bytes: float, ctx: CostContext) -> float:
+        """Weights + gradients + optimizer state of `weight_bytes` of local weights."""
+        return sum(self.param_state_parts(weight_bytes, ctx).values())
 
     def grad_sync_latency(self, weight_bytes: float, ctx: CostContext, bucket_bytes: float) -> float:
         """The latency part of the gradient sync, which grad_sync_time leaves out: one collective (or

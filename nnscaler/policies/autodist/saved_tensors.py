@@ -14,7 +14,7 @@ from nnscaler.graph.ir import Graph, Node
 from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.op_cost import is_free_op
 
-__all__ = ["SavedRule", "SAVED", "rule_for", "Kept", "kept_bytes_plan", "region_of"]
+__all__ = ["SavedRule", "SAVED", "rule_for", "Kept", "kept_bytes_plan", "region_of", "recompute_peak"]
 
 
 @dataclass(frozen=True)
@@ -121,35 +121,51 @@ def kept_bytes_plan(graph: Graph, recompute: tuple[str, ...] = ()) -> dict[str, 
     return memo[recompute]
 
 
+def _roots(graph: Graph) -> dict[str, str]:
+    """Value -> the value owning its storage (a view's or a no-op cast's base); once per graph."""
+    memo = graph_memo(graph)
+    if "storage_roots" not in memo:
+        root: dict[str, str] = {}
+        for node in graph.nodes:
+            ins = [r for r in node.input_names() if graph.values[r].meta is not None]
+            aliases = is_free_op(node, graph) or rule_for(node).reason.startswith("dropout at p=0")
+            for o in node.outputs:
+                root[o] = root.get(ins[0], ins[0]) if aliases and ins else o
+        memo["storage_roots"] = root
+    return memo["storage_roots"]
+
+
+def _saved_by(graph: Graph, node: Node, root: dict[str, str]) -> tuple[set[str], tuple | None]:
+    """(storages `node` saves for backward, its extra buffer or None), recompute aside."""
+    if not _needs_grad(graph, node) or is_free_op(node, graph):  # a view's backward reshapes
+        return set(), None
+    refs = [r for r in node.input_names() if graph.values[r].meta is not None]
+    rule = rule_for(node)
+    saved = {root.get(r, r) for r in _saved_inputs(graph, rule, refs)}
+    saved |= {root.get(node.outputs[i], node.outputs[i]) for i in rule.outputs if i < len(node.outputs)}
+    extra = _extra(graph, node, rule, refs) if rule.extra is not None and node.outputs else None
+    return saved, extra
+
+
 def _plan(graph: Graph, recompute: tuple[str, ...]) -> dict[str, Kept]:
     index = {n.name: n for n in graph.nodes}
-    root: dict[str, str] = {}  # value -> the value owning its storage
-    for node in graph.nodes:
-        ins = [r for r in node.input_names() if graph.values[r].meta is not None]
-        aliases = is_free_op(node, graph) or (rule_for(node).reason.startswith("dropout at p=0"))
-        for o in node.outputs:
-            root[o] = root.get(ins[0], ins[0]) if aliases and ins else o
+    root = _roots(graph)
     saved: set[str] = set()
     extras: dict[str, list[tuple[str, int, float, int]]] = {}
     for node in graph.nodes:
         region = region_of(node.module_path, recompute)
-        refs = [r for r in node.input_names() if graph.values[r].meta is not None]
         if region is not None:  # checkpoint keeps the region's inputs only
-            for r in refs:
+            for r in node.input_names():
                 producer = graph.values[r].producer
+                if graph.values[r].meta is None:
+                    continue
                 if producer is None or region_of(index[producer].module_path, recompute) != region:
                     saved.add(root.get(r, r))
             continue
-        if not _needs_grad(graph, node) or is_free_op(node, graph):  # a view's backward reshapes
-            continue
-        rule = rule_for(node)
-        for r in _saved_inputs(graph, rule, refs):
-            saved.add(root.get(r, r))
-        for i in rule.outputs:
-            if i < len(node.outputs):
-                saved.add(root.get(node.outputs[i], node.outputs[i]))
-        if rule.extra is not None and node.outputs:
-            extras.setdefault(node.name, []).append(_extra(graph, node, rule, refs))
+        mine, extra = _saved_by(graph, node, root)
+        saved |= mine
+        if extra is not None:
+            extras.setdefault(node.name, []).append(extra)
     out: dict[str, Kept] = {}
     for node in graph.nodes:
         kept = tuple(
@@ -189,3 +205,39 @@ def _extra(graph: Graph, node: Node, rule: SavedRule, refs: list[str]) -> tuple[
         rows = src.numel // max(src.shape[-1], 1) if src.shape else 1
         return ("in", 0, 2.0 * rows, size)
     return ("in", 0, src.numel * per, size)
+
+
+def recompute_peak(graph: Graph, recompute: tuple[str, ...], ctx) -> float:
+    """Bytes per device one recomputed module holds again while its backward runs (its forward rerun
+    saves what it would without recompute): the largest over the recomputed module instances, split
+    over ctx.ways devices like the transient buffers (context.transient_bytes)."""
+    if not recompute:
+        return 0.0
+    index = {n.name: n for n in graph.nodes}
+    root = _roots(graph)
+    saved: dict[str, set[str]] = {}
+    extra_bytes: dict[str, float] = {}
+    for node in graph.nodes:
+        region = region_of(node.module_path, recompute)
+        if region is None:
+            continue
+        mine, extra = _saved_by(graph, node, root)
+        saved.setdefault(region, set()).update(mine)
+        if extra is not None:
+            side, i, elems, size = extra
+            refs = [r for r in node.input_names() if graph.values[r].meta is not None]
+            ref = refs[i] if side == "in" else node.outputs[i]
+            meta = graph.values[ref].meta
+            b = elems * (size or ctx.elem_bytes(meta.dtype)) * ctx.value_scale(graph, ref)
+            extra_bytes[region] = extra_bytes.get(region, 0.0) + b
+    per = []
+    for region, values in saved.items():
+        inside = [  # what the rerun makes (its inputs are kept anyway, counted as activations)
+            v
+            for v in values
+            if graph.values[v].producer is not None
+            and region_of(index[graph.values[v].producer].module_path, recompute) == region
+            and graph.values[v].kind not in ("param", "buffer")
+        ]
+        per.append(sum(ctx.value_bytes(graph, v) for v in inside) + extra_bytes.get(region, 0.0))
+    return max(per, default=0.0) / max(ctx.ways, 1)
