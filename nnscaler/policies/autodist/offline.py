@@ -3,7 +3,7 @@ too), for a cluster you do not have. Used by `python -m nnscaler.plan`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
@@ -28,6 +28,8 @@ class OfflinePlan:
     scored: list[Candidate]
     """The best configuration of every plan size tried."""
     seconds: float = 0.0
+    phases: list[tuple[str, float]] = field(default_factory=list)
+    """(outer choice 'plan_ngpus=8 zero=2 nmicros=4', seconds its search took), in search order."""
 
 
 def plan_offline(
@@ -55,6 +57,7 @@ def plan_offline(
         [plan_ngpus] if plan_ngpus else [d for d in divisors(ndevices) if d <= (max_plan_ngpus or ndevices)]
     )
     results: list[tuple[Candidate, PlannerSetup]] = []
+    phases: list[tuple[str, float]] = []
     errors = []
     for p in sizes:
         cfg = ComputeConfig(p, ndevices, use_end2end=end2end, pas_config=pas)
@@ -85,14 +88,17 @@ def plan_offline(
                 memory=replace(base.memory, zero_stage=zero),
                 nstages=1 if zero == 3 else base.nstages,
             )
+            t1 = time.perf_counter()
             try:
                 best, _ = search(graph, setup)
             except PlanError as exc:
                 errors.append(f"plan_ngpus={p} nmicros={m} zero={zero}: {exc}")
                 continue
+            finally:
+                phases.append((f"plan_ngpus={p} zero={zero} nmicros={m}", time.perf_counter() - t1))
             results.append((best, setup))
     if not results:
         raise PlanError("no plan fits: " + "; ".join(errors))
     best, setup = min(results, key=lambda r: (r[0].step_time, r[0].pp, r[1].plan_ngpus))
     plan = plan_from_candidate(graph, best, setup)
-    return OfflinePlan(plan, best, setup, [c for c, _ in results], time.perf_counter() - t0)
+    return OfflinePlan(plan, best, setup, [c for c, _ in results], time.perf_counter() - t0, phases)
