@@ -1,8 +1,10 @@
 """Fit the GEMM efficiency table (nnscaler/policies/autodist/gemm_efficiency.py) on the `calibrate` rows
 of benchmarks/published_runs.yaml only, and print the fitted values and both splits' errors.
 
-The free parameters are, per device kind with calibrate rows (a100, h100): `large` (the fraction of
-peak big GEMMs sustain) and `half_gflops` (the size of one call at which a GEMM sustains half of it).
+The free parameter is, per device kind with calibrate rows (a100, h100), `large` (the fraction of
+peak big GEMMs sustain); `half_gflops` (the size of one call at which a GEMM sustains half of it) stays
+at the table's kernel-measurement value unless --fit-half (the published runs' GEMMs are all large,
+so they hardly constrain it: a free fit put it at 13 for the A100 and 0 for the H100).
 A compute-bound matmul of F FLOPs takes (F + half) / (peak x large), so a row's step time is close to
 
     T(large, half) = A + (B + C x half) / large
@@ -31,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from benchmarks.cost_model_vs_published import Captures, cost_row, predicted_figure, run_row, summary  # noqa: E402
 from benchmarks.published_runs import load_rows  # noqa: E402
+from nnscaler.policies.autodist.gemm_efficiency import GEMM_TABLE  # noqa: E402
 
 LARGE_GRID = [0.40 + 0.005 * i for i in range(121)]  # 0.40 .. 1.00
 HALF_GRID = [0.5 * i for i in range(61)]  # 0 .. 30 GFLOP
@@ -60,16 +63,18 @@ def _ratio(run, coef, large: float, half: float) -> float:
     return predicted_figure(run, step, params) / run.published["value"]
 
 
-def fit(runs, coefs) -> dict[str, tuple[float, float]]:
-    """Per device kind: the grid's (large, half) minimising the calibrate rows' squared log error."""
+def fit(runs, coefs, free_half: bool = False) -> dict[str, tuple[float, float]]:
+    """Per device kind: the grid's (large, half) minimising the calibrate rows' squared log error; half
+    kept at the table's (cuBLAS-derived) value unless `free_half`."""
     out = {}
     for kind in sorted({r.hardware["device"] for r in runs if r.split == "calibrate"}):
         rows = [r for r in runs if r.split == "calibrate" and r.hardware["device"] == kind]
+        halves = HALF_GRID if free_half else [GEMM_TABLE[kind].half_gflops]
         best = min(
             (
                 (sum(math.log(_ratio(r, coefs[r.id], lg, hf)) ** 2 for r in rows), lg, hf)
                 for lg in LARGE_GRID
-                for hf in HALF_GRID
+                for hf in halves
             ),
         )
         out[kind] = (round(best[1], 3), round(best[2], 1))
@@ -79,6 +84,12 @@ def fit(runs, coefs) -> dict[str, tuple[float, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="", help="comma-separated row ids (default: all)")
+    ap.add_argument(
+        "--fit-half",
+        action="store_true",
+        help="fit half_gflops too (default: keep the table's, from kernel measurements: the published "
+        "runs' GEMMs are all large and cannot tell it)",
+    )
     args = ap.parse_args()
     runs = load_rows()
     if args.rows:
@@ -87,10 +98,10 @@ def main() -> None:
     captures, t0 = Captures(), time.perf_counter()
     calib = [r for r in runs if r.split == "calibrate"]
     coefs = {r.id: _coefficients(r, captures, 0.7, 5.0) for r in calib}
-    fitted = fit(calib, coefs)
+    fitted = fit(calib, coefs, args.fit_half)
     print(json.dumps({"first_fit": fitted}), flush=True)
     coefs = {r.id: _coefficients(r, captures, *fitted[r.hardware["device"]]) for r in calib}
-    fitted = fit(calib, coefs)
+    fitted = fit(calib, coefs, args.fit_half)
     print(json.dumps({"fitted": {k: {"large": v[0], "half_gflops": v[1]} for k, v in fitted.items()}}))
     rows = []
     for run in runs:

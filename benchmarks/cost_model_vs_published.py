@@ -124,8 +124,9 @@ def _scheduler_supported() -> bool:
     return "scheduler" in inspect.signature(evaluate_nodes).parameters
 
 
-def cost_row(run: PublishedRun, graph, device_overrides: dict | None = None):
-    """(Candidate, setup, transient bytes) of the row's published layout."""
+def cost_row(run: PublishedRun, graph, device_overrides: dict | None = None, overlap=None):
+    """(Candidate, setup, transient bytes) of the row's published layout (`overlap`: an OverlapModel in
+    place of the planner's default, for what-if runs)."""
     lay = run.layout
     tp, pp = lay["tp"], lay["pp"]
     cluster = cluster_of(run, device_overrides)
@@ -142,6 +143,8 @@ def cost_row(run: PublishedRun, graph, device_overrides: dict | None = None):
         nmicros=run.nmicros,
         mem_limit=cluster.device.memory_gb * 1e9,
     )
+    if overlap is not None:
+        setup = replace(setup, overlap=overlap)
     _, instances = layer_instances(graph, setup.pivots)
     layers = tuple(path for path, _ in instances)
     nodes = pas_tp(graph, ComputeConfig(tp, tp)).nodes if tp > 1 else {}
@@ -187,10 +190,12 @@ def predicted_figure(run: PublishedRun, step: float, params: int) -> float:
     raise ValueError(f"row {run.id}: unknown published kind {kind!r}")
 
 
-def run_row(run: PublishedRun, captures: Captures, device_overrides: dict | None = None) -> dict:
+def run_row(
+    run: PublishedRun, captures: Captures, device_overrides: dict | None = None, overlap=None
+) -> dict:
     """One row's JSON object."""
     graph, params = captures.get(run)
-    cand, setup, transient = cost_row(run, graph, device_overrides)
+    cand, setup, transient = cost_row(run, graph, device_overrides, overlap)
     predicted = predicted_figure(run, cand.step_time, params)
     published = run.published["value"]
     memory = cand.memory + transient
@@ -228,7 +233,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="", help="comma-separated row ids (default: all)")
     ap.add_argument("--split", default="", help="calibrate or held_aside (default: both)")
+    ap.add_argument("--overlap-intra", type=float, default=None, help="what-if: OverlapModel.intra_node")
+    ap.add_argument("--overlap-inter", type=float, default=None, help="what-if: OverlapModel.inter_node")
     args = ap.parse_args()
+    overlap = None
+    if args.overlap_intra is not None or args.overlap_inter is not None:
+        from nnscaler.policies.autodist.overlap import OverlapModel
+
+        base = OverlapModel()
+        overlap = replace(
+            base,
+            intra_node=base.intra_node if args.overlap_intra is None else args.overlap_intra,
+            inter_node=base.inter_node if args.overlap_inter is None else args.overlap_inter,
+        )
     runs = load_rows(split=args.split or None)
     if args.rows:
         wanted = args.rows.split(",")
@@ -237,7 +254,7 @@ def main() -> None:
     captures, rows, t0 = Captures(), [], time.perf_counter()
     for run in runs:
         try:
-            row = run_row(run, captures)
+            row = run_row(run, captures, overlap=overlap)
         except Exception as exc:  # a row that cannot be costed is reported, not hidden
             row = {"row": run.id, "split": run.split, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         rows.append(row)
