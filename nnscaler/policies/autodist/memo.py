@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 from nnscaler.graph.ir import Graph, graph_fact
 from nnscaler.policies.plan import NodePlan
 
-__all__ = ["graph_memo", "tp_policy_nodes", "solution_cache", "solution_caches_off"]
+__all__ = ["graph_memo", "tp_policy_nodes", "solution_cache", "solution_caches_off", "context_key"]
 
 _SOLUTIONS_CACHED = [True]
 
@@ -47,3 +48,9 @@ def solution_caches_off() -> Iterator[None]:
         yield
     finally:
         _SOLUTIONS_CACHED[0] = True
+
+
+def context_key(ctx) -> tuple:
+    """What of a cost context (cost.CostContext) a cached program or cost depends on: all of it, measured
+    op times by identity (a dict)."""
+    return (replace(ctx, measured=None), id(ctx.measured) if ctx.measured is not None else None)

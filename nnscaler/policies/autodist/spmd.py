@@ -27,7 +27,7 @@ from nnscaler.graph.ir import Graph, Replicate
 from nnscaler.policies.autodist.choices import Choice
 from nnscaler.policies.autodist.constraints import PartitionConstraints
 from nnscaler.policies.autodist.cost import CostContext, reshard_time
-from nnscaler.policies.autodist.memo import solution_cache
+from nnscaler.policies.autodist.memo import context_key, solution_cache
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.autodist.spmd_problem import (
     SpmdProblem,
@@ -210,7 +210,7 @@ def _problem(graph, ctx, memory, args: tuple, fixed, mem_limit, mem_weights) -> 
     cache = solution_cache(graph, "spmd_problems") if fixed is None else None
     if cache is None:
         return _build(graph, ctx, memory, fixed=fixed, mem_limit=mem_limit, mem_weights=mem_weights, **kwargs)
-    key = (_context_key(ctx), memory, *args)
+    key = (context_key(ctx), memory, *args)
     if key not in cache:
         cache[key] = _build(graph, ctx, memory, fixed=None, mem_limit=None, mem_weights=(1.0, 1.0), **kwargs)
     base = cache[key]
@@ -230,11 +230,6 @@ def _build(graph, ctx, memory, **kwargs) -> SpmdProblem:
         return build_problem(graph, ctx, memory, **kwargs)
 
 
-def _context_key(ctx: CostContext) -> tuple:
-    """What of a cost context a program depends on (measured op times by identity: a dict)."""
-    return (replace(ctx, measured=None), id(ctx.measured) if ctx.measured is not None else None)
-
-
 def _program_key(problem: SpmdProblem, solver: str, cutoff: float | None) -> tuple:
     """Everything the integer program of `problem` is made of: the cost context (edge costs), every
     representative's choices (their costs and memory) and count, the edges, the limit and weights,
@@ -245,7 +240,7 @@ def _program_key(problem: SpmdProblem, solver: str, cutoff: float | None) -> tup
     )
     edges = tuple(problem.edges.items())
     return (
-        _context_key(problem.ctx),
+        context_key(problem.ctx),
         table,
         edges,
         problem.mem_limit,

@@ -120,7 +120,18 @@ def _owned_by(graph: Graph) -> dict[str, set[str]]:
 
 
 def _edges(graph: Graph, names: set[str], fold: LayerFold, table: dict[str, NodeChoices]) -> dict[Edge, int]:
-    """Edge (see Edge) -> multiplicity."""
+    """Edge (see Edge) -> multiplicity; once per graph and fold (a node's tensor inputs do not depend on
+    its choices; the folds are kept in the graph's memo, so their ids are theirs while it lives)."""
+    memo = graph_memo(graph).setdefault("spmd_edges", {})
+    key = (id(fold), len(names))
+    if key not in memo:
+        memo[key] = _all_edges(graph, names, fold, table)
+    return memo[key]
+
+
+def _all_edges(
+    graph: Graph, names: set[str], fold: LayerFold, table: dict[str, NodeChoices]
+) -> dict[Edge, int]:
     edges: dict[Edge, int] = defaultdict(int)
     index = {n.name: n for n in graph.nodes}
     for node in graph.nodes:

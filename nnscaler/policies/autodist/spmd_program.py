@@ -14,6 +14,7 @@ import pulp
 from nnscaler.graph.ir import Replicate
 from nnscaler.policies.autodist.comm import all_reduce
 from nnscaler.policies.autodist.cost import reshard_time
+from nnscaler.policies.autodist.memo import context_key, solution_cache
 from nnscaler.policies.autodist.spmd_problem import Edge, SpmdProblem, weighted_memory
 
 __all__ = ["SharedReduce", "SpmdProgram", "build_program"]
@@ -140,18 +141,8 @@ def _input_edge(p: SpmdProblem, prog: SpmdProgram, key: Edge, cnt: int) -> None:
 def _pair_edge(p: SpmdProblem, prog: SpmdProgram, key: Edge, cnt: int, shared: bool) -> None:
     """A value from representative u to v: resharding time per choice pair; forbidden pairs excluded."""
     u, oi, v, slot, ref = key
-    meta = p.graph.values[ref].meta
-    nbytes = p.ctx.value_bytes(p.graph, ref)
     cu, cv = p.table[u].choices, p.table[v].choices
-    mat = [
-        [
-            reshard_time(
-                a.outputs[oi], c.inputs[slot], nbytes, p.ctx, c.plan.is_split, meta.requires_grad, shared
-            )
-            for c in cv
-        ]
-        for a in cu
-    ]
+    mat = _pair_costs(p, key, shared)
     prog.edge_cost[key] = mat
     x = prog.x
     if len(cu) == 1 or len(cv) == 1:  # one side fixed: the cost falls on the other side's choice
@@ -176,6 +167,29 @@ def _pair_edge(p: SpmdProblem, prog: SpmdProgram, key: Edge, cnt: int, shared: b
         prog.prob += pulp.lpSum(y[a, b] for b in range(len(cv)) if (a, b) in y) == x[u, a]
     for b in range(len(cv)):
         prog.prob += pulp.lpSum(y[a, b] for a in range(len(cu)) if (a, b) in y) == x[v, b]
+
+
+def _pair_costs(p: SpmdProblem, key: Edge, shared: bool) -> list[list[float]]:
+    """Resharding seconds of every (producer choice, consumer choice) pair of edge `key`; once per graph,
+    cost context and layouts (the ZeRO stages of one plan size meet the same matrices: only memory and
+    sync set their choices apart)."""
+    u, oi, v, slot, ref = key
+    ctx, meta = p.ctx, p.graph.values[ref].meta
+    nbytes = ctx.value_bytes(p.graph, ref)
+    cu, cv = p.table[u].choices, p.table[v].choices
+    outs = tuple(a.outputs[oi] for a in cu)
+    ins = tuple((c.inputs[slot], c.plan.is_split) for c in cv)
+    cache = solution_cache(p.graph, "reshard_costs")
+    ck = (context_key(ctx), ref, shared, outs, ins)
+    if cache is not None and ck in cache:
+        return cache[ck]
+    mat = [
+        [reshard_time(out, dst, nbytes, ctx, split, meta.requires_grad, shared) for dst, split in ins]
+        for out in outs
+    ]
+    if cache is not None:
+        cache[ck] = mat
+    return mat
 
 
 def _output_terms(p: SpmdProblem, prog: SpmdProgram) -> None:
