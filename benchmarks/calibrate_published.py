@@ -35,19 +35,30 @@ from benchmarks.cost_model_vs_published import Captures, cost_row, predicted_fig
 from benchmarks.published_runs import load_rows  # noqa: E402
 from nnscaler.policies.autodist.gemm_efficiency import GEMM_TABLE  # noqa: E402
 
+OVERLAP_GRID = (0.0, 0.25, 0.5, 0.75, 0.9)
+
+
+def _overlap(intra: float):
+    from dataclasses import replace
+
+    from nnscaler.policies.autodist.overlap import OverlapModel
+
+    return replace(OverlapModel(), intra_node=intra)
+
+
 LARGE_GRID = [0.40 + 0.005 * i for i in range(121)]  # 0.40 .. 1.00
 HALF_GRID = [0.5 * i for i in range(61)]  # 0 .. 30 GFLOP
 
 
 def _coefficients(
-    run, captures: Captures, large: float = 1.0, half: float = 0.0
+    run, captures: Captures, large: float = 1.0, half: float = 0.0, overlap=None
 ) -> tuple[float, float, float, int]:
     """(A, B, C) of the row's step time around (large, half), and its parameter count: costed at
     (large, half), (0.9 large, half) and (large, half + 5)."""
     graph, params = captures.get(run)
     probes = ((large, half), (0.9 * large, half), (large, half + 5.0))
     t1, t2, t3 = (
-        cost_row(run, graph, {"matmul_efficiency": lg, "gemm_half_gflops": hf})[0].step_time
+        cost_row(run, graph, {"matmul_efficiency": lg, "gemm_half_gflops": hf}, overlap)[0].step_time
         for lg, hf in probes
     )
     c_over_large = (t3 - t1) / 5.0  # C / large
@@ -90,6 +101,12 @@ def main() -> None:
         help="fit half_gflops too (default: keep the table's, from kernel measurements: the published "
         "runs' GEMMs are all large and cannot tell it)",
     )
+    ap.add_argument(
+        "--fit-overlap",
+        action="store_true",
+        help="also fit OverlapModel.intra_node (how much of an NVLink collective hides behind compute) "
+        f"over {OVERLAP_GRID}, on the calibrate rows; report only (overlap.py is not this script's)",
+    )
     args = ap.parse_args()
     runs = load_rows()
     if args.rows:
@@ -97,17 +114,27 @@ def main() -> None:
     runs.sort(key=lambda r: r.model_key)
     captures, t0 = Captures(), time.perf_counter()
     calib = [r for r in runs if r.split == "calibrate"]
-    coefs = {r.id: _coefficients(r, captures, 0.7, 5.0) for r in calib}
-    fitted = fit(calib, coefs, args.fit_half)
-    print(json.dumps({"first_fit": fitted}), flush=True)
-    coefs = {r.id: _coefficients(r, captures, *fitted[r.hardware["device"]]) for r in calib}
-    fitted = fit(calib, coefs, args.fit_half)
+    choices = [None] if not args.fit_overlap else [_overlap(x) for x in OVERLAP_GRID]
+    best = None
+    for overlap in choices:
+        first = {r.id: _coefficients(r, captures, 0.7, 5.0, overlap) for r in calib}
+        fitted = fit(calib, first, args.fit_half)
+        coefs = {r.id: _coefficients(r, captures, *fitted[r.hardware["device"]], overlap) for r in calib}
+        fitted = fit(calib, coefs, args.fit_half)
+        loss = sum(math.log(_ratio(r, coefs[r.id], *fitted[r.hardware["device"]])) ** 2 for r in calib)
+        line = {"intra_node_overlap": overlap.intra_node if overlap else "default", "loss": round(loss, 4)}
+        print(json.dumps({**line, "fitted": fitted}), flush=True)
+        if best is None or loss < best[0]:
+            best = (loss, overlap, fitted, coefs)
+    _, overlap, fitted, coefs = best
     print(json.dumps({"fitted": {k: {"large": v[0], "half_gflops": v[1]} for k, v in fitted.items()}}))
+    if overlap is not None:
+        print(json.dumps({"fitted_overlap": {"intra_node": overlap.intra_node}}))
     rows = []
     for run in runs:
         large, half = fitted.get(run.hardware["device"], (None, None))
         overrides = {} if large is None else {"matmul_efficiency": large, "gemm_half_gflops": half}
-        row = run_row(run, captures, overrides)
+        row = run_row(run, captures, overrides, overlap)
         if run.id in coefs:
             row["closed_form_ratio"] = round(_ratio(run, coefs[run.id], large, half), 3)
         rows.append(row)
