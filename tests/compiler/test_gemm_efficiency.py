@@ -78,7 +78,12 @@ def test_a_power_cap_scales_the_peak_by_the_cube_root_of_the_power_share():
 
 @pytest.mark.parametrize(
     "field, value, words",
-    [("clock_mhz", 0, "> 0"), ("clock_mhz", "fast", "must be a number"), ("power_w", -300, "> 0")],
+    [
+        ("clock_mhz", 0, "> 0"),
+        ("clock_mhz", "fast", "must be a number"),
+        ("power_w", -300, "> 0"),
+        ("gemm_half_gflops", -1, ">= 0"),
+    ],
 )
 def test_a_bad_cap_is_refused_naming_the_field(field, value, words):
     with pytest.raises(ConfigError, match=rf"device\.{field}.*{words}|{words}.*device\.{field}"):
