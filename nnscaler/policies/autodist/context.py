@@ -17,6 +17,7 @@ from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.autodist.overlap import OverlapModel
 from nnscaler.policies.autodist.saved_tensors import recompute_peak
+from nnscaler.policies.autodist.transients import ZERO3_BLOCKS_LIVE, moe_rerun_bytes, zero3_block_bytes
 from nnscaler.policies.expert_parallel import experts_nodes
 from nnscaler.runtime.grads.buckets import DEFAULT_BUCKET_CAP_MB
 
@@ -156,8 +157,9 @@ def transient_bytes(
     the largest value of the graph (MemoryModel.transient_mem_coef), the experts' stacked weights left
     out (a kernel or a ZeRO-3 gather holds one expert's at a time); once per graph and batch. Under
     recompute (`recompute`, else setup.recompute) at least what the largest recomputed module saves
-    again while its backward runs (saved_tensors.recompute_peak; the larger of the two, measured on the
-    zoo: benchmarks/memory_model_vs_measured.py)."""
+    again while its backward runs (saved_tensors.recompute_peak), and an experts op's backward
+    (transients.moe_rerun_bytes): the largest of these, measured on the zoo
+    (benchmarks/memory_model_vs_measured.py); under ZeRO-3 the gathered blocks on top."""
     paths = setup.recompute if recompute is None else recompute
     rerun = recompute_peak(graph, tuple(paths), ctx) if paths and ctx.training else 0.0
     memo = graph_memo(graph).setdefault("largest_value", {})
@@ -168,8 +170,12 @@ def transient_bytes(
             (ctx.value_bytes(graph, v) for v in graph.values if graph.values[v].meta and v not in experts),
             default=0.0,
         )
-    # one working set: the rerun happens in backward, after the loss's (largest) buffers are freed
-    return max(setup.memory.transient_mem_coef * memo[key] / max(ctx.ways, 1), rerun)
+    # one working set: the reruns happen in backward, after the loss's (largest) buffers are freed
+    largest = setup.memory.transient_mem_coef * memo[key] / max(ctx.ways, 1)
+    out = max(largest, rerun + moe_rerun_bytes(graph, ctx))  # an experts op's rerun inside a module's
+    if setup.memory.zero_stage >= 3 and ctx.training and ctx.dp_size > 1:  # gathered blocks, full grads
+        out += ZERO3_BLOCKS_LIVE * zero3_block_bytes(graph, ctx)
+    return out
 
 
 def _expert_weights(graph: Graph) -> frozenset[str]:
