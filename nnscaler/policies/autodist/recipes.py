@@ -57,6 +57,12 @@ def _options(setup: PlannerSetup, dp: int, nmicros: int, pp: int) -> list[int]:
     return [max(nmicros, pp) if pp > 1 else nmicros]
 
 
+def _too_many_replicas(setup: PlannerSetup, dp: int) -> bool:
+    """Offline (the traced batch is the step's): more data-parallel replicas than sequences, which the
+    search refuses too (offline.py: a replica needs a whole sample; only cp splits sequences)."""
+    return setup.global_batch and dp > max(setup.traced_batch, 1)
+
+
 def _fit(graph: Graph, s: PlannerSetup, nodes, pp: int, starts, m: int, layers: tuple[str, ...]):
     """The recipe as it is, or with every layer recomputed when that is what makes it fit."""
     transient = transient_bytes(graph, stage_context(s, s.plan_ngpus // pp), s)
@@ -74,12 +80,13 @@ def _fit(graph: Graph, s: PlannerSetup, nodes, pp: int, starts, m: int, layers: 
 def standard_recipes(graph: Graph, setup: PlannerSetup, ndevices: int, nmicros: int = 1) -> list[Recipe]:
     """DP+ZeRO over `ndevices`, and Megatron TP x PP x DP splitting them (tp within a node), each taking
     the same global batch as `setup` (setup.dp_size replicas of the traced batch x nmicros); a recipe
-    that does not fit in memory is tried again with every layer recomputed."""
+    that does not fit in memory is tried again with every layer recomputed. Offline, none has more
+    data-parallel replicas than the traced batch has samples (the search refuses them too)."""
     out: list[Recipe] = []
     _, instances = layer_instances(graph, setup.pivots)
     layers = tuple(p for p, _ in instances)
     layer_starts = [idx[0] for _, idx in instances]
-    for zero in (1, 2, 3):
+    for zero in (1, 2, 3) if not _too_many_replicas(setup, ndevices) else ():
         best = None
         for m in _options(setup, ndevices, nmicros, 1):
             s = replace(
@@ -100,7 +107,7 @@ def standard_recipes(graph: Graph, setup: PlannerSetup, ndevices: int, nmicros: 
             if pp > 1 and (not setup.end2end or pp > len(layer_starts)):
                 continue
             dp = ndevices // (tp * pp)
-            if tp == 1 and pp == 1:
+            if (tp == 1 and pp == 1) or _too_many_replicas(setup, dp):
                 continue
             best = None
             for m in _options(setup, dp, nmicros, pp):
@@ -129,6 +136,8 @@ def _ep_recipes(graph: Graph, setup: PlannerSetup, ndevices: int, nmicros: int, 
     for ep in (d for d in divisors(ndevices) if d > 1 and all(e % d == 0 for e in experts)):
         for tp in (t for t in divisors(ndevices // ep) if t <= setup.cluster.devices_per_node):
             dp = ndevices // (ep * tp)
+            if _too_many_replicas(setup, dp * ep):  # ep splits the batch as replicas do
+                continue
             tp_nodes = tp_policy_nodes(graph, tp) if tp > 1 else {}
             best = None
             for m in _options(setup, dp * ep, nmicros, 1):
