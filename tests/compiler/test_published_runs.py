@@ -4,6 +4,7 @@ every row valid, a broken row refused; the harness's metric conversions against 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -97,3 +98,41 @@ def test_summary_gives_median_and_worst_error_per_split():
     assert out["held_aside"]["median_error"] == pytest.approx(0.05)
     assert out["held_aside"]["worst_error"] == pytest.approx(0.1)
     assert out["calibrate"]["worst_error"] == pytest.approx(0.2)
+
+
+def _tiny(**layout):
+    """A published-run row of a tiny Llama (built and captured in a second) with `layout` changed."""
+    base = _row("tt_llama3_8b_a100_64")
+    model = {
+        "family": "llama",
+        "hidden": 64,
+        "layers": 4,
+        "heads": 4,
+        "kv_heads": 2,
+        "ffn": 128,
+        "vocab": 256,
+    }
+    hardware = {**base.hardware, "gpus": 8, "nodes": 1}
+    lay = {**base.layout, "dp": 8, "global_batch": 16, "micro_batch": 2, **layout}
+    return replace(base, id="tiny", model=model, hardware=hardware, layout=lay, seq=32)
+
+
+def test_selective_op_recompute_is_costed_halfway_between_none_and_full():
+    from benchmarks.cost_model_vs_published import Captures, cost_row
+
+    captures = Captures()
+    graph, _ = captures.get(_tiny())
+    steps = {k: cost_row(_tiny(recompute=k), graph)[0].step_time for k in ("none", "full", "selective_op")}
+    assert steps["full"] > steps["none"]
+    assert steps["selective_op"] == pytest.approx((steps["none"] + steps["full"]) / 2)
+
+
+def test_an_interleaved_row_gets_pp_times_vpp_stages():
+    from benchmarks.cost_model_vs_published import Captures, cost_row
+
+    row = _tiny(tp=2, pp=2, dp=2, global_batch=8, micro_batch=1, zero=0)
+    graph, _ = Captures().get(row)
+    plain = cost_row(row, graph)[0]
+    inter = cost_row(replace(row, layout={**row.layout, "vpp": 2, "scheduler": "1f1b_interleaved"}), graph)[0]
+    assert len(plain.starts) == 2 and len(inter.starts) == 4
+    assert inter.step_time != plain.step_time
