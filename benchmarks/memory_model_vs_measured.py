@@ -70,10 +70,9 @@ def _config(family: str, row: str):
     return ComputeConfig(spec["plan_ngpus"], WORLD, pas_config=pas, **spec.get("config", {}))
 
 
-def live_bytes(exclude: tuple[torch.Tensor, ...] = ()) -> int:
-    """Bytes of every tensor storage the garbage collector reaches (each storage once), but `exclude`'s."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[int, int] = {}
+def live_tensors() -> dict[int, tuple[int, torch.Tensor]]:
+    """Storage address -> (bytes, a tensor holding it) for every CPU tensor the garbage collector reaches."""
+    seen: dict[int, tuple[int, torch.Tensor]] = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_sparse:
             try:  # tracing's fake tensors may linger: they hold no memory
@@ -81,9 +80,17 @@ def live_bytes(exclude: tuple[torch.Tensor, ...] = ()) -> int:
                 ptr = st.data_ptr()
             except (RuntimeError, NotImplementedError):
                 continue
-            if ptr not in skip and st.nbytes():
-                seen[ptr] = st.nbytes()
-    return sum(seen.values())
+            if st.nbytes():
+                seen[ptr] = (st.nbytes(), obj)
+    return seen
+
+
+def live_bytes(exclude: tuple[torch.Tensor, ...] = (), old: dict | None = None) -> int:
+    """Bytes of every tensor storage the garbage collector reaches (each storage once), but `exclude`'s
+    and those in `old` (a live_tensors() result, whose tensors the caller keeps alive, so that no new
+    storage can take one of their addresses)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude} | set(old or ())
+    return sum(b for ptr, (b, _) in live_tensors().items() if ptr not in skip)
 
 
 def step_peak(step) -> int:
@@ -108,14 +115,15 @@ def measure_rank(rank: int, world: int, family: str, rows: list[str], root: str)
     out = []
     for row in rows:
         gc.collect()
-        before = live_bytes()  # what earlier rows left behind (generated modules' caches) is not this row's
-        start, peak = _measure_row(family, row, f"{root}/{row}")
-        out.append({"row": row, "rank": rank, "start": start - before, "peak": start - before + peak})
+        before = live_tensors()  # what earlier rows left behind (generated modules' caches) is not this row's
+        start, peak = _measure_row(family, row, f"{root}/{row}", before)
+        del before
+        out.append({"row": row, "rank": rank, "start": start, "peak": start + peak})
         gc.collect()
     return out
 
 
-def _measure_row(family: str, row: str, savedir: str) -> tuple[int, int]:
+def _measure_row(family: str, row: str, savedir: str, old: dict) -> tuple[int, int]:
     """(live bytes when the measured step starts, its high-water mark above them)."""
     from nnscaler import build_optimizer, parallelize
     from tests import zoo
@@ -137,7 +145,7 @@ def _measure_row(family: str, row: str, savedir: str) -> tuple[int, int]:
 
     step()  # optimizer state and buckets exist from here on
     gc.collect()
-    start = live_bytes(tuple(v for v in batch.values() if isinstance(v, torch.Tensor)))
+    start = live_bytes(tuple(v for v in batch.values() if isinstance(v, torch.Tensor)), old)
     return start, step_peak(step)
 
 
