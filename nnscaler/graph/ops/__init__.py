@@ -68,6 +68,8 @@ def annotate_node(node: Node, graph: Graph) -> BoundAnno | None:
     rule = get_rule(node.op)
     if rule is None:
         return None
+    if not isinstance(graph, Graph):  # a graph being built (GraphBuilder) may still change
+        return _annotate(node, graph, rule)
     bound = graph_fact(graph, "bound_annotations", lambda _: {})
     hit = bound.get(node.name)
     if hit is not None and hit[0] is node and hit[1] is rule:  # the same node object, the same rule
