@@ -62,6 +62,11 @@ def build_model(run: PublishedRun):
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
+            # the published runs fuse GELU and attention (Megatron's fused bias-GELU, flash attention):
+            # one GELU op and torch's fused attention keep what those kernels keep, where GPT-2's
+            # tanh-approximated GELU traces into six elementwise ops that each save a tensor
+            activation_function="gelu",
+            attn_implementation="sdpa",
         )
     elif m["family"] == "llama":
         model = _lm(
@@ -76,6 +81,7 @@ def build_model(run: PublishedRun):
             max_position_embeddings=run.seq,
             tie_word_embeddings=False,
             attention_dropout=0.0,
+            attn_implementation="sdpa",
         )
     else:
         raise ValueError(f"row {run.id}: unknown model family {m['family']!r} (gpt2, llama)")
@@ -152,7 +158,14 @@ def cost_row(run: PublishedRun, graph, device_overrides: dict | None = None, ove
     if pp > 1:
         interleaved = lay["scheduler"] == "1f1b_interleaved" and lay["vpp"] > 1 and _scheduler_supported()
         nstages = pp * lay["vpp"] if interleaved else pp
-        kwargs["starts"] = balanced_starts(graph, [idx[0] for _, idx in instances][1:], nstages)
+        firsts = [idx[0] for _, idx in instances]
+        if lay.get("edge_chunks") and nstages == len(firsts) + 2:
+            # the embedding and the output head each a stage of their own, one layer per stage between
+            # (Llama 3: "the first model chunk on the first stage has only the embedding, and the last
+            # model chunk on the last stage has only output projection and loss calculation")
+            kwargs["starts"] = [0, *firsts, instances[-1][1][-1] + 1]
+        else:
+            kwargs["starts"] = balanced_starts(graph, firsts[1:], nstages)
         if interleaved:
             kwargs["scheduler"] = "1f1b_interleaved"
     recompute = layers if lay["recompute"] in ("full", "selective_op") else ()

@@ -184,8 +184,13 @@ def _parts(graph, setup, ctx, cand, transient: float) -> dict[str, float]:
         parts = setup.memory.param_state_parts(sum(c.param_bytes for c in stage), ctx)
         inflight = min(len(bounds) - 1 - s, cand.nmicros) if cand.pp > 1 else 1
         parts["activations"] = sum(c.activation_bytes for c in stage) * inflight
+        persist = setup.memory.grads_outlive_backward(ctx, cand.nmicros, pipelined=cand.pp > 1)
         parts["transient"] = transient
-        parts["total"] = sum(parts.values())
+        peak = setup.memory.backward_live_peak(
+            [c.activation_bytes * inflight for c in stage],
+            [setup.memory.param_state_parts(c.param_bytes, ctx)["gradients"] for c in stage],
+        )
+        parts["total"] = setup.memory.peak_state(parts, parts["activations"], persist, peak) + transient
         if parts["total"] > best.get("total", -1.0):
             best = parts
     return best

@@ -115,7 +115,7 @@ def _row(data: dict, index: int) -> PublishedRun:
     _check(f"{where}.source", data["source"], {"name": str, "url": str, "where": str})
     _check(f"{where}.model", data["model"], _MODEL)
     _check(f"{where}.hardware", data["hardware"], _HARDWARE, _HARDWARE_OPTIONAL)
-    lay = _check(f"{where}.layout", data["layout"], _LAYOUT)
+    lay = _check(f"{where}.layout", data["layout"], _LAYOUT, {"edge_chunks": bool})
     pub = _check(f"{where}.published", data["published"], {"value": float, "kind": str})
     if data["split"] not in SPLITS:
         raise ValueError(f"{where}.split must be one of {SPLITS}, got {data['split']!r}")

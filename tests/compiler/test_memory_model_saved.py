@@ -79,7 +79,31 @@ def test_saved_activations_by_hand(net_graph):
     per_block = B * H * F32 + B * D * F32
     assert _activations(cand, net_graph) == 2 * per_block + B * D * F32
     weights = PARAMS * F32
-    assert cand.memory == weights * (1 + 1 + 2) + _activations(cand, net_graph)  # + grads + Adam moments
+    # one replica, one micro-batch: no reducer keeps the gradients, and backward makes them as it frees
+    # the activations, so the peak holds the larger of the two beside the weights and Adam's moments
+    acts = _activations(cand, net_graph)
+    assert weights * (1 + 2) + max(weights, acts) <= cand.memory < weights * (1 + 1 + 2) + acts
+    # with a second micro-batch the first one's gradients wait beside the second's activations
+    two = evaluate_nodes(net_graph, _setup(net_graph), {}, nmicros=2)
+    assert two.memory == weights * (1 + 1 + 2) + acts
+
+
+def test_gradients_replace_activations_without_a_reducer():
+    """MemoryModel.peak_state by hand: weights 10, gradients 10, Adam 20, activations 30."""
+    from nnscaler.policies.autodist.memory import MemoryModel
+
+    parts = {"weights": 10.0, "gradients": 10.0, "optimizer": 20.0}
+    memory = MemoryModel()
+    assert memory.peak_state(parts, 30.0, grads_persist=True) == 70.0
+    assert memory.peak_state(parts, 30.0, grads_persist=False) == 60.0
+    assert memory.peak_state(parts, 5.0, grads_persist=False) == 40.0
+    assert memory.peak_state(parts, 30.0, grads_persist=False, backward_peak=33.0) == 63.0
+    # three ops saving activations 4, 2, 6, with weights whose gradients are 1, 5, 0 bytes. Alive:
+    # before backward 4 + 2 + 6 = 12; after op 2's backward 4 + 2 + 0 = 6; after op 1's 4 + 5 + 0 = 9;
+    # after op 0's 1 + 5 + 0 = 6
+    assert MemoryModel.backward_live_peak([4.0, 2.0, 6.0], [1.0, 5.0, 0.0]) == 12.0
+    assert MemoryModel.backward_live_peak([1.0, 1.0, 1.0], [5.0, 0.0, 0.0]) == 5.0
+    assert MemoryModel.backward_live_peak([3.0, 0.0], [0.0, 4.0]) == 7.0  # act of op 0 + op 1's grad
 
 
 def test_recompute_keeps_only_module_inputs(net_graph):

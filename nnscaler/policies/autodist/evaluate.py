@@ -9,7 +9,13 @@ from nnscaler.policies.autodist.candidate import Candidate
 from nnscaler.policies.autodist.context import PlannerSetup, stage_context
 from nnscaler.policies.autodist.layers import fold_layers
 from nnscaler.policies.autodist.spmd import solve_spmd
-from nnscaler.policies.autodist.step_time import RECOMPUTE_FACTOR, flat_step, pipelined_step, stage_memory
+from nnscaler.policies.autodist.step_time import (
+    RECOMPUTE_FACTOR,
+    flat_memory,
+    flat_step,
+    pipelined_step,
+    stage_memory,
+)
 from nnscaler.policies.plan import REPLICATE, NodePlan, Plan
 
 __all__ = ["evaluate_nodes", "evaluate_plan"]
@@ -54,7 +60,14 @@ def evaluate_nodes(
     if pp == 1:
         step = flat_step(graph, setup, ctx, res.time, res.sync, nmicros, bool(recompute))
         return Candidate(
-            1, tp, nmicros, bool(recompute), step.step, res.memory, res, recompute_paths=recompute
+            1,
+            tp,
+            nmicros,
+            bool(recompute),
+            step.step,
+            flat_memory(graph, setup, ctx, res, nmicros),
+            res,
+            recompute_paths=recompute,
         )
     factor = RECOMPUTE_FACTOR if recompute else 1.0
     starts = sorted(starts or [0])

@@ -48,6 +48,42 @@ class MemoryModel:
             return {"weights": weights, "gradients": 0.0, "optimizer": 0.0}
         return {"weights": weights, "gradients": grads, "optimizer": opt}
 
+    def grads_outlive_backward(self, ctx: CostContext, nmicros: int, pipelined: bool) -> bool:
+        """Whether the gradients stay allocated beside the activations: a data-parallel reducer keeps
+        them in its buckets (dp > 1), or micro-batches accumulate them (several micro-batches, pipeline
+        stages). Otherwise (one replica, one micro-batch) backward frees each layer's activations as it
+        makes the layer's gradients, and the optimizer step zeroes them (set to None) after use."""
+        return ctx.dp_size > 1 or nmicros > 1 or pipelined
+
+    def peak_state(
+        self,
+        parts: dict[str, float],
+        activations: float,
+        grads_persist: bool,
+        backward_peak: float | None = None,
+    ) -> float:
+        """Peak bytes of weights, gradients, optimizer state and `activations`: their sum where the
+        gradients persist; else weights + optimizer + `backward_peak`, the most activations and
+        gradients live together while backward frees the one as it makes the other
+        (backward_live_peak), or the larger of the two where it is not given."""
+        grads = parts.get("gradients", 0.0)
+        state = parts.get("weights", 0.0) + parts.get("optimizer", 0.0)
+        if grads_persist:
+            return state + grads + activations
+        return state + (max(grads, activations) if backward_peak is None else backward_peak)
+
+    @staticmethod
+    def backward_live_peak(activations: list[float], gradients: list[float]) -> float:
+        """The most bytes of saved activations and gradients alive at once in a backward pass over
+        ops in forward order: after backward has passed op k, the activations saved by ops before k
+        and the gradients of the weights of ops from k on are alive."""
+        live = sum(gradients)  # backward done: every gradient, no activation
+        peak = live
+        for act, grad in zip(activations, gradients):  # walk k forward: op k's backward not yet run
+            live += act - grad
+            peak = max(peak, live)
+        return peak
+
     def param_state_bytes(self, weight_bytes: float, ctx: CostContext) -> float:
         """Weights + gradients + optimizer state of `weight_bytes` of local weights."""
         return sum(self.param_state_parts(weight_bytes, ctx).values())

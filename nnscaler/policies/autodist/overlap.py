@@ -11,8 +11,9 @@ The gradient sync of a step (MemoryModel.grad_sync_time) is made of:
   forward except the first layer's), again for backward, and the gradients reduce-scattered (both
   hidden behind backward except the last layer's).
 
-Each collective hides behind its window of compute at `efficiency` (a link's traffic competes with the
-compute for memory bandwidth and SMs: NCCL's kernels take some); the part that does not fit is exposed.
+Each collective hides behind its window of compute at an efficiency per link (a link's traffic competes
+with the compute for memory bandwidth and SMs: NCCL's kernels take some); the part that does not fit is
+exposed. The efficiencies are fitted on published runs (OverlapModel's fields).
 While it overlaps, the compute slows by `contention` of the hidden communication time (the SMs NCCL
 takes). Inter-node and intra-node collectives have their own efficiency (InfiniBand traffic is driven
 by proxy threads and copy engines; NVLink traffic by SM kernels).
@@ -29,8 +30,12 @@ __all__ = ["OverlapModel", "SyncExposure", "exposed_sync"]
 class OverlapModel:
     """Overlap efficiencies (fraction of a compute window a collective can hide behind)."""
 
-    intra_node: float = 0.9
-    """Over NVLink (NCCL's SM kernels slow the compute they run beside)."""
+    intra_node: float = 0.0
+    """Over NVLink. Fitted with the GEMM table on the calibrate rows of benchmarks/published_runs.yaml
+    (gemm_efficiency.FIT_NOTE): 0.0 fitted best (loss 0.063 against 0.073 for any of 0.25-0.9), i.e.
+    the published single-node FSDP runs behaved as if their NVLink collectives were not hidden (NCCL's
+    SM kernels compete with the compute). Weakly determined: those collectives are a few percent of the
+    steps."""
     inter_node: float = 0.95
     """Over the network (proxy threads and copy engines: little competition with compute)."""
     contention: float = 0.1

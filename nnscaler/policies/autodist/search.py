@@ -26,7 +26,13 @@ from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.pipeline_dp import native_available, stage_dp
 from nnscaler.policies.autodist.spmd import solve_spmd
 from nnscaler.policies.autodist.spmd_problem import MEMORY_ADVICE
-from nnscaler.policies.autodist.step_time import RECOMPUTE_FACTOR, flat_step, pipelined_step, stage_memory
+from nnscaler.policies.autodist.step_time import (
+    RECOMPUTE_FACTOR,
+    flat_memory,
+    flat_step,
+    pipelined_step,
+    stage_memory,
+)
 from nnscaler.policies.op_cost import graph_costs
 from nnscaler.policies.stage_balance import MAX_CANDIDATES, Segments, choose_stages
 from nnscaler.policies.tp import pas_tp
@@ -72,7 +78,8 @@ def _spmd_candidate(graph: Graph, setup: PlannerSetup, layer_paths: tuple[str, .
             error = exc
             continue
         step = flat_step(graph, setup, ctx, res.time, res.sync, m, bool(paths)).step
-        return Candidate(1, setup.plan_ngpus, m, rc, step, res.memory, res, recompute_paths=paths)
+        memory = flat_memory(graph, setup, ctx, res, m)
+        return Candidate(1, setup.plan_ngpus, m, rc, step, memory, res, recompute_paths=paths)
     raise error
 
 

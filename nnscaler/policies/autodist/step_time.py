@@ -21,7 +21,7 @@ from nnscaler.policies.autodist.pipeline_time import (
     pipeline_timing,
 )
 
-__all__ = ["RECOMPUTE_FACTOR", "StepTime", "flat_step", "pipelined_step", "stage_memory"]
+__all__ = ["RECOMPUTE_FACTOR", "StepTime", "flat_step", "flat_memory", "pipelined_step", "stage_memory"]
 
 RECOMPUTE_FACTOR = 4.0 / 3.0
 """Recomputed modules run their forward twice: forward + backward = 3 forward units become 4."""
@@ -134,3 +134,19 @@ def stage_memory(
         params[d] += p
         acts[d] += a
     return [p + a * k for p, a, k in zip(params, acts, inflight)]
+
+
+def flat_memory(graph: Graph, setup: PlannerSetup, ctx: CostContext, res, nmicros: int) -> float:
+    """Peak bytes per device of an SPMD result without pipeline stages: every node's state and saved
+    activations, where gradients that do not outlive backward (MemoryModel.grads_outlive_backward)
+    appear as backward frees the activations instead of adding to them (MemoryModel.backward_live_peak)."""
+    memory = setup.memory
+    if memory.grads_outlive_backward(ctx, nmicros, pipelined=False) or not ctx.training:
+        return res.memory
+    choices = [res.choice[n.name] for n in graph.nodes]
+    acts = [c.activation_bytes * memory.activation_factor for c in choices]
+    grads = [memory.param_state_parts(c.param_bytes, ctx)["gradients"] for c in choices]
+    parts = memory.param_state_parts(sum(c.param_bytes for c in choices), ctx)
+    total = sum(parts.values()) + sum(acts)
+    peak = memory.peak_state(parts, sum(acts), False, memory.backward_live_peak(acts, grads))
+    return res.memory - (total - peak)
