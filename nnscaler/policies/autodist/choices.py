@@ -235,11 +235,7 @@ def node_choices(
         )
         compute = 0.0 if free else compute_time(flops / ways, moved, ctx, dtype, matmul)
         compute = _experts_compute(graph, node, refs, ins, ways, ctx, shard, dtype, compute)
-        if ctx.measured and free and ctx.training:  # no kernel, but dispatch and autograd bookkeeping
-            compute = ctx.free_op
-        if ctx.measured and not free and ctx.training and scale == 1.0:
-            key = op_key(node.op, _local_shapes(graph, refs, ins, ways, mesh), dtype)
-            compute = ctx.measured.get(key, compute)
+        compute = _measured_compute(graph, node, refs, ins, ways, ctx, dtype, free, scale, compute)
         comm, param_local, sync = _param_costs(
             graph,
             refs,
@@ -266,6 +262,16 @@ def node_choices(
         compute = compute_time(flops, sum(in_bytes) + sum(out_bytes), ctx, dtype, matmul)
         out.choices.append(_replicated(node, metas_in, compute))
     return out
+
+
+def _measured_compute(graph: Graph, node: Node, refs, ins, ways, ctx, dtype, free, scale, compute) -> float:
+    """The profiled time of this choice where the database has it (`compute` otherwise)."""
+    if ctx.measured and free and ctx.training:  # no kernel, but dispatch and autograd bookkeeping
+        return ctx.free_op
+    if ctx.measured and not free and ctx.training and scale == 1.0:
+        key = op_key(node.op, _local_shapes(graph, refs, ins, ways, ctx.mesh), dtype)
+        return ctx.measured.get(key, compute)
+    return compute
 
 
 def _kept_bytes(graph: Graph, refs, node: Node, kept: Kept | None, in_bytes, out_bytes, ins, outs, ways, ctx):
