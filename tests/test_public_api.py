@@ -13,6 +13,7 @@ import sys
 
 import nnscaler
 import nnscaler.parallel
+import nnscaler.utils
 from nnscaler import ComputeConfig, ParallelModule
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "public_api.txt")
@@ -48,6 +49,10 @@ NNSCALER_0_8 = {
     "fold_constant": ["a"],
     "init": [],
     "uninit": [],
+}
+NNSCALER_0_8_UTILS = {  # nnscaler.utils: what nnScaler 0.8's examples call
+    "set_default_logger_level": ["level"],
+    "print_each_rank": ["msg", "rank_only", "logger"],
 }
 NNSCALER_0_8_CLASSES = ["ParallelModule", "ComputeConfig", "ReuseType", "BroadcastGenFilesStrategy"]
 PARALLEL_MODULE_MEMBERS = [
@@ -131,6 +136,12 @@ def test_nnscaler_names_and_parameters() -> None:
         assert hasattr(ComputeConfig, member), f"ComputeConfig.{member} is missing"
 
 
+def test_nnscaler_utils_has_the_0_8_helpers() -> None:
+    for name, params in NNSCALER_0_8_UTILS.items():
+        assert name in nnscaler.utils.__all__, f"nnscaler.utils.{name} is missing"
+        assert list(inspect.signature(getattr(nnscaler.utils, name)).parameters) == params, name
+
+
 def test_nnscaler_parallel_has_the_0_8_names() -> None:
     # nnScaler 0.8's docs and tests write `from nnscaler.parallel import parallelize, ComputeConfig, ...`
     names = [*NNSCALER_0_8_CLASSES, *(n for n in NNSCALER_0_8 if n in nnscaler.parallel.NNSCALER_08_NAMES)]
@@ -170,6 +181,8 @@ def public_signatures() -> str:
         obj = getattr(nnscaler.parallel, name)
         same = getattr(nnscaler, name, None) is obj
         lines.append(f"nnscaler.parallel.{name}" + (" = nnscaler." + name if same else _describe(obj)))
+    for name in sorted(nnscaler.utils.__all__):  # nnScaler 0.8's helpers for scripts
+        lines.append(f"nnscaler.utils.{name}{_describe(getattr(nnscaler.utils, name))}")
     fields = ", ".join(f"{f.name}: {f.type}" for f in ComputeConfig.__dataclass_fields__.values())
     lines.append(f"nnscaler.ComputeConfig fields ({fields})")
     return "\n".join(lines) + "\n"

@@ -3,6 +3,8 @@ split per its annotation, and be called by name in the generated code."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -61,15 +63,61 @@ def _op_name(op: Any) -> str | None:
     return None
 
 
-def _wrap_function(fn: Callable, name: str) -> Any:
+def _with_return_type(fn: Callable, n_outputs: int) -> tuple[Callable, str | None]:
+    """`fn` and its schema (None: torch infers it from the hints) for a function with a return hint;
+    for one without (nnScaler 0.8 accepts those), the return is taken from the annotation's outputs
+    (one: a Tensor, k: a tuple of k Tensors) and `fn` is wrapped to check that at trace time."""
+    if inspect.signature(fn).return_annotation is not inspect.Signature.empty:
+        return fn, None
+    sig = inspect.signature(fn, eval_str=True)  # string hints (`from __future__ import annotations`)
+    ret: Any = torch.Tensor if n_outputs == 1 else tuple[(torch.Tensor,) * n_outputs]
+    want = "a Tensor" if n_outputs == 1 else f"a tuple of {n_outputs} Tensors"
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        ok = (
+            isinstance(out, torch.Tensor)
+            if n_outputs == 1
+            else (
+                isinstance(out, tuple)
+                and len(out) == n_outputs
+                and all(isinstance(o, torch.Tensor) for o in out)
+            )
+        )
+        if not ok:
+            raise TypeError(
+                f"register_op: {fn.__module__}.{fn.__qualname__} has no return annotation, so it must "
+                f"return {want} (its annotation has {n_outputs} output(s)), but it returned "
+                f"{_describe(out)}; annotate its return type (`-> ...`) to say what it returns"
+            )
+        return out
+
+    checked.__signature__ = sig.replace(return_annotation=ret)  # type: ignore[attr-defined]
+    try:
+        schema = torch.library.infer_schema(checked, mutates_args=())
+    except ValueError as e:  # an argument torch cannot type: say which function
+        raise ValueError(f"register_op: {fn.__module__}.{fn.__qualname__}: {e}") from e
+    return checked, schema
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(type(v).__name__ for v in value)
+        return f"{type(value).__name__}({inner})"
+    return type(value).__name__
+
+
+def _wrap_function(fn: Callable, name: str, n_outputs: int = 1) -> Any:
     """Make a plain function a custom op: one node in the trace, autograd through torch.func.vjp."""
     if fn.__module__ == "__main__":
         raise ValueError(
             f"register_op: {fn.__qualname__} is defined in __main__; generated code must import it, so "
             "define it in an importable module"
         )
-    op = torch.library.custom_op(f"{_NAMESPACE}::{name}", mutates_args=())(fn)
-    op.register_fake(fn)
+    impl, schema = _with_return_type(fn, n_outputs)
+    op = torch.library.custom_op(f"{_NAMESPACE}::{name}", mutates_args=(), schema=schema)(impl)
+    op.register_fake(impl)
 
     def setup_context(ctx, inputs, output):
         ctx.inputs = inputs
@@ -110,9 +158,11 @@ def register_op(
 
     Given a torch.library custom op, its rule is registered under the op's name; given a custom
     torch.autograd.Function, under its `Fn.apply` calls (split, they run on local shards). Given a plain
-    function (with type hints, in an importable module), it is first made into the custom op
-    `torch.ops.nnscaler_user.<name>`, whose backward differentiates the function; the returned
-    object is that op, callable like the function.
+    function (with type hints on its arguments, in an importable module), it is first made into the
+    custom op `torch.ops.nnscaler_user.<name>`, whose backward differentiates the function; the
+    returned object is that op, callable like the function. Without a return hint (as nnScaler 0.8
+    allows), the function returns a Tensor, or a tuple of k Tensors when the annotation has k outputs;
+    a call that returns anything else raises, naming the function.
 
     nnScaler's other arguments: `code_impl_pattern` ('import' or 'source'): the generated code always
     imports the function from its module, so both work alike; `input_gen_fn` (inputs for profiling) is
@@ -140,7 +190,7 @@ def register_op(
             "register_op(transform_rules=...) is not supported: an op splits along the dims its annotation "
             "marks splittable (see docs/annotations.md); express the split in the annotation"
         )
-    parse_annotation(annotation)  # fail early on a malformed annotation
+    n_outputs = len(parse_annotation(annotation).outputs)  # fails early on a malformed annotation
 
     def decorate(op: Any) -> Any:
         op_name = _op_name(op)
@@ -150,7 +200,7 @@ def register_op(
             if not callable(op):
                 raise TypeError(f"register_op expects a custom op or a function, got {type(op).__name__}")
             module = op.__module__
-            target = _wrap_function(op, name or op.__name__)
+            target = _wrap_function(op, name or op.__name__, n_outputs)
             op_name = f"{_NAMESPACE}.{name or op.__name__}.default"
         register_rule(OpRule(op_name, lambda call, _t=annotation: _t, family))
         if emit_fn is not None:
