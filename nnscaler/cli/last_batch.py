@@ -2,12 +2,14 @@
 setup, so that it never fails mid-training.
 
 `short_micro_batch` finds it (before compiling) from the dataset, the sampler and `drop_last`.
-`check_short_micro_batch` (after compiling) collates that very micro-batch and checks it against the
-input contract of the generated code: the `self.input_sizes(...)` and `self.check_shape(...)` calls
+`check_short_micro_batch` (after compiling) fetches that very micro-batch the way the Trainer's
+DataLoader does (torch's fetcher: `dataset.__getitems__` when the dataset has it, else `dataset[i]`;
+then the loader's `collate_fn`) and checks it against the input contract of the generated code: the `self.input_sizes(...)` and `self.check_shape(...)` calls
 its forward (or pipeline `micro_batch_inputs`) starts with. A plan that splits the batch (the `data`
 policy over 2 ranks: `idx_size0 % 2 == 0`) cannot take 1 sample: refused, naming `drop_last`. A
 short micro-batch the code accepts runs, with one warning (its mean loss weighs as much as a full
-micro-batch's; nnScaler 0.8 warns the same way).
+micro-batch's; nnScaler 0.8 warns the same way). A run that stops before the end of the first epoch
+(`max_train_steps`; `max_val_steps` for validation) never reaches it: not checked.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch.utils import _pytree as pytree
 from nnscaler.errors import ConfigError
 from nnscaler.runtime import ParallelModule
 
-__all__ = ["ShortMicroBatch", "short_micro_batch", "check_short_micro_batch", "input_contract"]
+__all__ = ["ShortMicroBatch", "short_micro_batch", "reaches", "check_short_micro_batch", "input_contract"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,13 +138,28 @@ def _violations(source: str, forward_args: dict[str, Any]) -> list[str]:
     return broken
 
 
-def _collate(args: Any, dataset: Any, stage: str, indices: tuple[int, ...]) -> Any:
+def _fetch(args: Any, dataset: Any, stage: str, indices: tuple[int, ...]) -> Any:
+    """The micro-batch of these dataset indices, through a DataLoader as the Trainer's loader builds it
+    (its fetcher calls `__getitems__` when the dataset has one; its collate_fn), in this process."""
     collate = dict(args.create_kwarg(_loader_kwargs(args, stage))).get("collate_fn")
     if isinstance(collate, str):
         from nnscaler.cli.loading import load_type
 
         collate = load_type(collate)
-    return (collate or torch.utils.data.default_collate)([dataset[i] for i in indices])
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=len(indices), sampler=list(indices), collate_fn=collate, num_workers=0
+    )
+    return next(iter(loader))
+
+
+def reaches(args: Any, short: ShortMicroBatch) -> bool:
+    """Whether the run gets to `short` (the last micro-batch of an epoch): training runs a whole epoch
+    (max_train_steps at least an epoch's optimizer steps, or only max_epochs), validation a whole pass
+    (no max_val_steps, or at least a pass's steps). A resumed run is judged from step 0."""
+    micro_batches = -(-short.share // short.micro_batch_size)
+    steps = -(-micro_batches // args.update_freq)  # a short last step counts, as the Trainer's do
+    limit = args.max_train_steps if short.stage == "train" else args.max_val_steps
+    return not limit or limit >= steps
 
 
 def check_short_micro_batch(
@@ -159,12 +176,15 @@ def check_short_micro_batch(
     short = short_micro_batch(args, dataset, stage, num_replicas)
     if short is None:
         return
+    if not reaches(args, short):
+        logger.debug("%s: the run stops before it (not checked)", short.describe())
+        return
     source = None
     if isinstance(model, ParallelModule):
         file = getattr(sys.modules.get(type(model).__module__), "__file__", None)
         source = Path(file).read_text() if file else None
     if source is not None and forward_args is not None:
-        sample = _collate(args, dataset, short.stage, short.indices)
+        sample = _fetch(args, dataset, short.stage, short.indices)
         broken = _violations(source, forward_args(sample))
         if broken:
             raise ConfigError(

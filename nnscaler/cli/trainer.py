@@ -32,7 +32,7 @@ from nnscaler.cli.loading import load_type
 from nnscaler.cli.mixed import infer_micro_batches, model_device, parallelize_sub_modules, run_micro_batches
 from nnscaler.cli.peers import Heartbeat
 from nnscaler.cli.progress import Progress
-from nnscaler.cli.state import SkippingSampler, rng_states, set_rng_states, to_device
+from nnscaler.cli.state import SkippingSampler, TrainStatus, rng_states, set_rng_states, to_device
 from nnscaler.cli.tracing_weights import load_model_weights
 from nnscaler.cli.trainer_args import TrainerArgs
 from nnscaler.errors import ConfigError, NnScalerError
@@ -47,12 +47,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_INSTANCE_NAME = "trainer"
 """The generated code's instance directory when TrainerArgs.instance_name is not set."""
-
-
-class TrainStatus(dict):
-    """Counters saved in checkpoints: next_epoch, next_sample (samples of that epoch already consumed
-    by all replicas together, so a resume with another replica count starts at the same place), step
-    (optimizer steps done), best_loss."""
 
 
 class Trainer:
@@ -71,7 +65,8 @@ class Trainer:
         self.lr_scheduler: Any = None
         self.loggers: list[Any] = []
         self.hook: Any = None
-        self.train_status = TrainStatus(next_epoch=0, next_sample=0, step=0, best_loss=math.inf)
+        self.train_status = TrainStatus()
+        """next_epoch, next_sample, step (= finished_train_steps), best_loss: attributes or dict keys."""
         self.rank, self.world_size = 0, 1
         self.pending_rng: dict[str, Any] | None = None
         self._saved_step = -1

@@ -23,8 +23,9 @@ class TrainerView(Protocol):
     """The loggers (rank 0 only; empty elsewhere)."""
     hook: Any
     """The run's TrainHook."""
-    train_status: dict[str, Any]
-    """next_epoch, next_sample, step, best_loss (saved in checkpoints)."""
+    train_status: Any
+    """A `nnscaler.cli.state.TrainStatus`: next_epoch, next_sample, step, best_loss (saved in
+    checkpoints), as attributes or dict keys; `finished_train_steps` is nnScaler 0.8's name for step."""
     rank: int
     world_size: int
     pending_rng: dict[str, Any] | None
