@@ -17,9 +17,23 @@ records, for every submodule, the values of its attributes, flat, keyed `<module
   own (diffusers' attention processors): name and a digest of their (class's) code.
 
 Anything else (an arbitrary object) cannot be compared: it is left out and named in one
-`AttributeWarning` per call. nn.Module's and Lightning's bookkeeping (`_parameters`, hooks,
-`training`, the trainer) and what says where a model came from (`_NOT_MODEL`: `_is_hf_initialized`, `name_or_path`, `transformers_version`,
+`AttributeWarning` per call, unless it is library bookkeeping (below). nn.Module's and
+Lightning's bookkeeping (`_parameters`, hooks, `training`, the trainer) and what says where a
+model came from (`_NOT_MODEL`: `_is_hf_initialized`, `name_or_path`, `transformers_version`,
 `generation_config`) are not part of what forward computes: left out.
+
+Library bookkeeping is left out quietly. The rule (`_is_bookkeeping`): an attribute whose name is
+private (a leading underscore) on a module whose class derives from an installed third-party
+library (a class of that package in its MRO; see `nnscaler.parallel.sources.installed_package`),
+holding objects of that same library. That is the library keeping its own records in its own
+private slots: transformers 5's `_weight_conversions` (the `WeightRenaming`/`WeightConverter`s
+that `from_pretrained` applied to the checkpoint's names), which say how weights were loaded, not
+what forward computes, and which the library's version (in `packages`) pins anyway. A public
+attribute, an object of the user's own classes or of torch (`self._gen = torch.Generator()`), or any
+attribute of a module of the user's own classes only, still warns: those are what a user set. Values
+that would depend on the process's string hash seed are never recorded as they are: sets are
+recorded sorted (a set of unrecordable objects is unrecordable), and GenerationConfig's
+`_original_object_hash` is in `_NOT_MODEL`.
 """
 
 from __future__ import annotations
@@ -35,7 +49,7 @@ from typing import Any
 
 import torch
 
-from nnscaler.parallel.sources import digest, is_library
+from nnscaler.parallel.sources import digest, installed_package, is_library
 
 __all__ = ["AttributeWarning", "attribute_values"]
 
@@ -86,6 +100,19 @@ def _skipped(cls: type) -> frozenset[str]:
             except Exception:  # noqa: BLE001 - a base that cannot be built bare: its state is compared
                 pass
     return frozenset(names)
+
+
+@functools.cache
+def _libraries(cls: type) -> frozenset[str]:
+    """The installed third-party packages that `cls` derives from (transformers for a Llama)."""
+    return frozenset(p for c in cls.__mro__ if (p := installed_package(c)) is not None)
+
+
+def _is_bookkeeping(cls: type, name: str, value_module: str) -> bool:
+    """An unrecordable object of a library, in a private attribute of a module of that library's
+    classes: the library's own records (the rule is in the module docstring)."""
+    root = value_module.split(".")[0]
+    return name.startswith("_") and root in _libraries(cls)
 
 
 def _qualname(obj: Any) -> str:
@@ -159,9 +186,9 @@ class _Walker:
 
     def __init__(self, inside: set[int] | None = None) -> None:
         self.out: dict[str, str] = {}
-        self.problems: list[tuple[str, str]] = []
+        self.problems: list[tuple[str, str, str]] = []  # (path, what, module of the object's class)
         self.first: dict[tuple, str] = {}  # a config's content -> the path it was first listed at
-        self.memo: dict[int, tuple[Any, list[tuple[str, str]], list[tuple[str, str]]]] = {}
+        self.memo: dict[int, tuple[Any, list[tuple[str, str]], list[tuple[str, str, str]]]] = {}
         self.inside = set() if inside is None else inside  # ids of the containers being walked
 
     def walk(self, path: str, value: Any, depth: int = 0) -> None:
@@ -170,7 +197,9 @@ class _Walker:
             self.out[path] = text
             return
         if id(value) in self.inside or depth >= _MAX_DEPTH:
-            self.problems.append((path, f"{_qualname(type(value))} nested too deeply or in itself"))
+            self.problems.append(
+                (path, f"{_qualname(type(value))} nested too deeply or in itself", type(value).__module__)
+            )
             return
         self.inside.add(id(value))
         try:
@@ -183,7 +212,7 @@ class _Walker:
             elif (text := _object(value)) is not None:
                 self.out[path] = text
             else:
-                self.problems.append((path, _qualname(type(value))))
+                self.problems.append((path, _qualname(type(value)), type(value).__module__))
         finally:
             self.inside.discard(id(value))
 
@@ -192,8 +221,9 @@ class _Walker:
         texts = [_leaf(v) for v in items]
         if isinstance(value, (set, frozenset)):
             if None in texts:  # an order of other objects is not reproducible: record what is known
+                other = type(items[texts.index(None)])
                 self.problems.append(
-                    (path, f"{type(value).__name__} of {_qualname(type(items[texts.index(None)]))}")
+                    (path, f"{type(value).__name__} of {_qualname(other)}", other.__module__)
                 )
                 return
             texts.sort()
@@ -215,7 +245,9 @@ class _Walker:
         for k, v in value.items():
             key = _leaf(k)
             if key is None:
-                self.problems.append((path, f"dict with a key of type {_qualname(type(k))}"))
+                self.problems.append(
+                    (path, f"dict with a key of type {_qualname(type(k))}", type(k).__module__)
+                )
                 return
             items.append((key, v))
         self.many(path, value, items, depth)
@@ -229,7 +261,7 @@ class _Walker:
         sub = _Walker(self.inside)
         for key, v in items:
             sub.walk(f"[{key}]", v, depth)
-        self.problems += [(path + p, t) for p, t in sub.problems]
+        self.problems += [(path + p, t, m) for p, t, m in sub.problems]
         self.out[path] = (
             f"<{type(value).__name__} of {len(items)} items, sha256 {_digest_text(repr(sorted(sub.out.items())))}>"
         )
@@ -250,7 +282,7 @@ class _Walker:
         self.first[key] = path
         self.out[path] = f"<{_qualname(type(value))}>"
         self.out.update((path + suffix, text) for suffix, text in entries)
-        self.problems += [(path + p, t) for p, t in problems]
+        self.problems += [(path + p, t, m) for p, t, m in problems]
 
 
 def _brackets(value: Any) -> tuple[str, str]:
@@ -269,9 +301,14 @@ def attribute_values(module: torch.nn.Module, warn: bool = True) -> dict[str, st
         skipped = _skipped(type(sub))
         for name, value in vars(sub).items():
             if name not in skipped:
+                before = len(walker.problems)
                 walker.walk(f"{prefix}.{name}" if prefix else name, value)
+                # bookkeeping is left out of the fingerprint like any unrecordable value, but quietly
+                walker.problems[before:] = [
+                    p for p in walker.problems[before:] if not _is_bookkeeping(type(sub), name, p[2])
+                ]
     if warn and walker.problems:
-        shown = ", ".join(f"`{p}` ({t})" for p, t in walker.problems[:8])
+        shown = ", ".join(f"`{p}` ({t})" for p, t, _ in walker.problems[:8])
         more = f" and {len(walker.problems) - 8} more" if len(walker.problems) > 8 else ""
         warnings.warn(
             f"the reuse fingerprint cannot record the values of model attributes {shown}{more}: they are left "

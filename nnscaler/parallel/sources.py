@@ -35,7 +35,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["module_classes", "module_sources", "helper_sources", "package_versions", "digest", "is_library"]
+__all__ = [
+    "module_classes",
+    "module_sources",
+    "helper_sources",
+    "package_versions",
+    "digest",
+    "is_library",
+    "installed_package",
+]
 
 _LIBRARY_ROOTS = frozenset({"torch", "__future__"} | set(sys.stdlib_module_names))
 """Packages whose code is covered by the torch / Python version rather than hashed."""
@@ -54,6 +62,14 @@ def _root(module_name: str | None) -> str:
 def is_library(obj: Any) -> bool:
     """Code of torch, the standard library or `object`: covered by the torch / Python version, not hashed."""
     return _root(getattr(obj, "__module__", None)) in _LIBRARY_ROOTS or obj is object
+
+
+def installed_package(cls: type) -> str | None:
+    """The top-level package of `cls` when it is a third-party library installed into site-packages
+    (transformers, diffusers; its version pins its code); None for user code (editable installs
+    included), torch and the standard library."""
+    root = _root(getattr(cls, "__module__", None))
+    return root if root not in _LIBRARY_ROOTS and _installed(root) else None
 
 
 @cache

@@ -34,6 +34,7 @@ from nnscaler.integration.lightning.pytorch.checkpoint import (
     saved_state_dict_type,
     write_rank_checkpoint,
 )
+from nnscaler.integration.lightning.pytorch.dummy_batch import first_batch
 from nnscaler.integration.lightning.pytorch.parallel_forward import ParallelForward
 from nnscaler.integration.lightning.replicas import ReplicaRanks
 from nnscaler.runtime.checkpoint.save_types import (
@@ -159,9 +160,8 @@ class NnScalerStrategy(ReplicaRanks, DDPStrategy):
         if getattr(module, "dummy_forward_args", None) is not None:
             return module.dummy_forward_args
         fn = getattr(module, "dummy_forward_args_fn", None)
-        if fn is not None:
-            source = trainer.datamodule if trainer.datamodule is not None else module
-            return fn(next(iter(source.train_dataloader())))
+        if fn is not None:  # the first batch of the loaders given to fit, or the datamodule's/module's
+            return fn(first_batch(trainer, module))
         raise ConfigError(
             f"NnScalerStrategy: {type(module).__name__} needs `dummy_forward_args` (a dict of forward "
             "arguments to trace with) or `dummy_forward_args_fn(batch) -> dict`"
