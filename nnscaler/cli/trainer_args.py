@@ -53,7 +53,7 @@ from nnscaler.cli.configs import (
 )
 from nnscaler.cli.loading import TypeLoadError, load_type
 from nnscaler.cli.train_hook import TrainHook
-from nnscaler.cli.trainer_checks import check_trainer_args
+from nnscaler.cli.trainer_checks import agree_micro_batches, check_trainer_args
 from nnscaler.cli.trainer_view import TrainerView
 from nnscaler.cli.yaml_loader import read_yaml
 from nnscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
@@ -173,6 +173,13 @@ class TrainerArgs:
     """Seeds torch, numpy and random on every rank (same model init everywhere) and the samplers."""
     init_env_fn: str | None = None
     """Dotted name of `fn(trainer)` called at setup (after seeding)."""
+    snapshot_every: int = 0
+    """Elastic training: copy each rank's training state to host memory (tmpfs) every N optimizer steps,
+    with a peer copy on another node, so a restart under torchrun's elastic agent resumes from it
+    (0: off; see docs/elastic.md)."""
+    snapshot_dir: str | None = None
+    """This node's in-memory snapshot directory (default $NNSCALER_SNAPSHOT_DIR, else
+    /dev/shm/nnscaler-snapshots/{user}-{torchrun's --rdzv-id})."""
 
     def __post_init__(self) -> None:
         if self.init_module is not None:
@@ -191,6 +198,11 @@ class TrainerArgs:
         self.global_batch_size, self.grad_accumulation_steps = resolve_batch_sizes(
             self.micro_batch_size, self.global_batch_size, self.grad_accumulation_steps, self.compute_config
         )
+        self.compute_config = agree_micro_batches(
+            self.pas_policy, self.compute_config, self.grad_accumulation_steps
+        )  # the policy plans the micro-batches train_step is fed
+        if self.snapshot_every < 0:
+            raise ConfigError(f"snapshot_every must be >= 0 (0: no snapshots), got {self.snapshot_every}")
         if self.run_mode not in ("run", "compile"):
             raise ConfigError(f"run_mode must be 'run' or 'compile', got {self.run_mode!r}")
         reuse_values = [e.value for e in ReuseType]

@@ -8,6 +8,7 @@ arguments the config gives a class are bound against its signature.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from pathlib import Path
@@ -18,10 +19,17 @@ import torch
 from nnscaler.cli.configs import HookConfig, HookMapConfig
 from nnscaler.cli.loading import load_type
 from nnscaler.cli.train_hook import HOOK_NAMES, TrainHook
-from nnscaler.config import BroadcastGenFilesStrategy, ReuseType
+from nnscaler.config import BroadcastGenFilesStrategy, ComputeConfig, ReuseType
 from nnscaler.errors import ConfigError
+from nnscaler.policies.options import POLICY_OPTIONS
 
-__all__ = ["check_trainer_args", "check_loadable", "check_kwargs", "check_choice_fields"]
+__all__ = [
+    "check_trainer_args",
+    "check_loadable",
+    "check_kwargs",
+    "check_choice_fields",
+    "agree_micro_batches",
+]
 
 SEED_MAX = 2**32 - 1
 """numpy's seed range (TrainerArgs.seed seeds torch, numpy and random)."""
@@ -240,3 +248,29 @@ def check_trainer_args(args: Any) -> None:
         check_kwargs("lr_scheduler.args", cls, args.lr_scheduler.args, given=("optimizer",))
     _checkpoint(args)
     _hooks_and_logs(args)
+
+
+def agree_micro_batches(pas_policy: str, compute_config: ComputeConfig, accum: int) -> ComputeConfig:
+    """`compute_config` whose policy plans the Trainer's micro-batches: a built-in policy that reads
+    `pipeline_nmicros` (pp, hybrid, autodist) gets grad_accumulation_steps `accum` as that count, so a
+    pipelined plan takes exactly the micro-batches one train_step is fed (nnScaler 0.8's Trainer passes its
+    update_freq the same way). autodist still chooses whether to pipeline; only the count is fixed.
+    A pas_config value that disagrees is refused naming both fields."""
+    opts = POLICY_OPTIONS.get(pas_policy)
+    if opts is None or "pipeline_nmicros" not in {f.name for f in dataclasses.fields(opts)}:
+        return compute_config  # a custom policy, or one without pipelines
+    pas = dict(compute_config.pas_config or {})
+    for key in ("pipeline_nmicros", "update_freq"):
+        given = pas.get(key)
+        first = given[0] if isinstance(given, (list, tuple)) and given else given
+        if first is not None and first != accum:
+            raise ConfigError(
+                f"compute_config.pas_config.{key} ({given!r}) disagrees with grad_accumulation_steps ({accum}): "
+                f"a train_step runs grad_accumulation_steps micro-batches, and a pipeline takes "
+                f"pas_config.{key} of them; drop pas_config.{key} (the Trainer passes grad_accumulation_steps "
+                "to the policy) or set both to the same value"
+            )
+    if "pipeline_nmicros" in pas or "update_freq" in pas:
+        return compute_config  # given, and equal
+    pas["pipeline_nmicros"] = accum
+    return dataclasses.replace(compute_config, pas_config=pas)
