@@ -272,12 +272,16 @@ class ComputeConfig:
     def apply_pipeline_scheduler(self, plan: Any, nstages: int, nmicros: int, scheduler: str = "1f1b") -> Any:
         """nnScaler's, for custom policies: the staged `plan` (a policies.Plan whose `pipeline` gives
         the stage starts, e.g. PipelinePlan(starts, pp_size, nmicros=1)) run as `nmicros` micro-batches
-        per train_step under `scheduler` ('gpipe', '1f1b', '1f1b_interleaved'). Returns a new Plan; the
+        per train_step under `scheduler` ('gpipe', '1f1b', '1f1b_interleaved', or the zero-bubble 'zb_h1',
+        'zbv', 'dualpipev'; zbv / dualpipev need 2 x pp_size stages). Returns a new Plan; the
         schedule is checked (and simulated) when the plan is compiled."""
         if not self.use_end2end:
             raise ConfigError(
                 "apply_pipeline_scheduler: pipelines run in end-to-end mode; set ComputeConfig(use_end2end=True)"
             )
+        if hasattr(plan, "bind_pipeline_schedule"):  # nnScaler 0.8's IRGraph (nnscaler.graph.policy_api)
+            call = f"cfg.apply_pipeline_scheduler(graph, {nstages}, {nmicros}, {scheduler!r})"
+            return plan.bind_pipeline_schedule(nstages, nmicros, scheduler, call)
         pipeline = getattr(plan, "pipeline", None)
         if pipeline is None:
             raise ConfigError(

@@ -13,6 +13,7 @@ from nnscaler.policies.builtin import pas_autodist, pas_data, pas_dp
 from nnscaler.policies.option_checks import check_pas_config
 from nnscaler.policies.pipeline import check_end2end_loss, pas_hybrid, pas_pp, validate_pipeline
 from nnscaler.policies.plan import REPLICATE, NodePlan, PipelinePlan, Plan
+from nnscaler.policies.policy_api08 import run_policy
 from nnscaler.policies.recompute import recompute_paths
 from nnscaler.policies.registry import BUILTIN_POLICIES, Policy, resolve_policy, validate_pas_config
 from nnscaler.policies.tp import pas_tp
@@ -96,7 +97,7 @@ def make_plan(graph: Graph, policy: str | Policy, cfg: ComputeConfig) -> Plan:
     check_pas_config(fn, cfg, graph)  # built-in policies: refuse values that cannot apply (issue 41)
     if cfg.use_end2end:
         check_end2end_loss(graph)
-    plan = fn(graph, cfg)
+    plan = run_policy(fn, graph, cfg)  # ours, or nnScaler 0.8's IRGraph policy API (recorded)
     if not isinstance(plan, Plan):
         raise PlanError(f"policy {name} returned {type(plan).__name__}, expected nnscaler.policies.Plan")
     validate_plan(graph, plan, cfg)
