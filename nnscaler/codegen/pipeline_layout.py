@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 from nnscaler.config import ComputeConfig
+from nnscaler.policies.pipeline_actions import stage_group
 
 __all__ = ["PipelineLayout"]
 
 
 class PipelineLayout:
-    """Which global rank runs which stage: stage s on device group s % pp_size of each replica."""
+    """Which global rank runs which stage: stage s on device group s % pp_size of each replica (a V for
+    the V-shaped schedules: nnscaler.policies.pipeline_actions.stage_group)."""
 
-    def __init__(self, cfg: ComputeConfig, pp_size: int):
+    def __init__(self, cfg: ComputeConfig, pp_size: int, scheduler: str = "1f1b"):
         self.cfg, self.pp_size, self.tp = cfg, pp_size, cfg.plan_ngpus // pp_size
+        self.scheduler = scheduler
+
+    def group_of(self, stage: int) -> int:
+        """The device group running `stage`."""
+        return stage_group(self.scheduler, stage, self.pp_size)
 
     def position(self, rank: int) -> tuple[int, int, int]:
         """(replica base rank, device group, index inside the group's tensor parallelism)."""
@@ -24,7 +31,7 @@ class PipelineLayout:
     def stage_rank(self, rank: int, stage: int) -> int:
         """The rank running `stage` that exchanges activations with `rank` (same replica and tp index)."""
         base, _, i = self.position(rank)
-        return self.rank(base, stage % self.pp_size, i)
+        return self.rank(base, self.group_of(stage), i)
 
     def tp_group(self, rank: int) -> list[int]:
         base, g, _ = self.position(rank)

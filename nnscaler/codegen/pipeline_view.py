@@ -32,6 +32,7 @@ from nnscaler.errors import CodegenError
 from nnscaler.graph.ir import iter_refs
 from nnscaler.mesh import mesh_axis_groups, rank_axis_groups
 from nnscaler.partition import LocalTensor, PipelineProgram
+from nnscaler.policies.pipeline_actions import stage_group
 
 __all__ = ["PipelineLayout", "build_pipeline_view"]
 
@@ -55,7 +56,8 @@ def _tied_groups(pprog: PipelineProgram) -> dict[str, list[int]]:
     """Tensor -> device groups of the stages using it, where that is more than one group."""
     out = {}
     for name, stages in pprog.param_stages.items():
-        groups = sorted({s % pprog.pipeline.pp_size for s in stages})
+        pipe = pprog.pipeline
+        groups = sorted({stage_group(pipe.scheduler, s, pipe.pp_size) for s in stages})
         if len(groups) > 1:
             layouts = {str(pprog.stages[s].program.layouts.get(name)) for s in stages}
             if len(layouts) > 1:
@@ -118,7 +120,7 @@ def _pipeline_init_call(
         ]
     stage_groups = sorted({tuple(layout.tp_group(r)) for r in range(cfg.runtime_ngpus)})
     all_groups += cp_subgroups([st.program for st in pprog.stages], mesh, [list(g) for g in stage_groups])
-    runs = lambda s: [r for r in range(cfg.runtime_ngpus) if layout.position(r)[1] == s % layout.pp_size]  # noqa: E731
+    runs = lambda s: [r for r in range(cfg.runtime_ngpus) if layout.position(r)[1] == layout.group_of(s)]  # noqa: E731
     all_groups += all_grad_groups([(st.program, runs(st.index)) for st in pprog.stages], cfg, layout.tp_group)
     init_call = (
         f"super().__init__(rank={rank}, world_size={cfg.runtime_ngpus}, plan_ngpus={cfg.plan_ngpus}, "
@@ -133,7 +135,7 @@ def _pipeline_attrs(pprog: PipelineProgram, layout: PipelineLayout, rank: int) -
     last = layout.stage_rank(rank, pipe.nstages - 1)
     attrs = end2end_attrs(pprog.inputs.forward_args, pipe.nmicros, last, True)
     stage_groups = {
-        s: [layout.rank(base, s % pipe.pp_size, i) for i in range(layout.tp)] for s in range(pipe.nstages)
+        s: [layout.rank(base, layout.group_of(s), i) for i in range(layout.tp)] for s in range(pipe.nstages)
     }
     return (
         attrs
@@ -173,9 +175,9 @@ def build_pipeline_view(
 ) -> ModuleView:
     """Everything the template needs to write a pipelined gencode{rank}.py."""
     pipe = pprog.pipeline
-    layout = PipelineLayout(cfg, pipe.pp_size)
+    layout = PipelineLayout(cfg, pipe.pp_size, pipe.scheduler)
     base, group, tp_index = layout.position(rank)
-    mine = [s.index for s in pprog.stages if s.index % pipe.pp_size == group]
+    mine = [s.index for s in pprog.stages if layout.group_of(s.index) == group]
     tensors = _stage_tensors(pprog, mine)
     param_names = {t.name for t in tensors}
     mesh = pprog.stages[0].program.mesh if pprog.stages else ()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from nnscaler.policies.p2p_plan import Compute, Post, Send, group_program
+from nnscaler.policies.pipeline_actions import V_SHAPED
 from nnscaler.policies.schedules import Action
 
 __all__ = ["pipeline_train_lines", "pipeline_infer_lines", "plain_train_lines", "plain_infer_lines"]
@@ -27,14 +28,25 @@ def _forward_lines(a: Action, nstages: int, rank_of: Callable[[int], int], keep:
     return lines
 
 
-def _backward_lines(a: Action, nstages: int, rank_of: Callable[[int], int]) -> list[str]:
+def _backward_lines(
+    a: Action, nstages: int, rank_of: Callable[[int], int], split: bool = False, tag: bool = False
+) -> list[str]:
+    """split: input gradients only (B); the weights' come in this stage's W later (zero-bubble).
+    tag: name the stage (a rank of a V runs two; only one of them launches gradient reductions)."""
     s, m = a.stage, a.micro
-    lines = [f"# backward: stage {s}, micro-batch {m}"]
+    st = f", stage={s}" if tag else ""
+    inputs = f"a[{s}, {m}]" if s > 0 else "()"
+    lines = [f"# backward{' (input gradients)' if split else ''}: stage {s}, micro-batch {m}"]
     if s + 1 < nstages:
         lines.append(f"g = pipe.recv_backward({s}, {m}, src={rank_of(s + 1)})  # gradients of the outputs")
-        lines.append(f"pipe.backward(y.pop(({s}, {m})), g, {m})")
+        if split:
+            lines.append(f"pipe.backward_inputs(y.pop(({s}, {m})), g, {inputs}, {s}, {m})")
+        else:
+            lines.append(f"pipe.backward(y.pop(({s}, {m})), g, {m}{st})")
+    elif split:
+        lines.append(f"pipe.backward_loss_inputs(y.pop(({s}, {m})), {inputs}, {s}, {m})")
     else:
-        lines.append(f"pipe.backward_loss(y.pop(({s}, {m})), {m})")
+        lines.append(f"pipe.backward_loss(y.pop(({s}, {m})), {m}{st})")
     if s > 0:
         lines.append(
             f"pipe.send_backward(a.pop(({s}, {m})), {s}, {m}, dst={rank_of(s - 1)})  # to stage {s - 1}"
@@ -42,10 +54,12 @@ def _backward_lines(a: Action, nstages: int, rank_of: Callable[[int], int]) -> l
     return lines
 
 
-def _prologue(train: bool, peers: list[int] | None = None) -> list[str]:
+def _prologue(train: bool, peers: list[int] | None = None, reduce_stage: int | None = None) -> list[str]:
     args = "train=True, scale_fn=scale_fn, is_dummy_batch=is_dummy_batch" if train else "train=False"
+    args += f", peers={peers}" if peers else ""
+    args += f", reduce_stage={reduce_stage}" if train and reduce_stage is not None else ""
     lines = [
-        f"pipe = PipelineStep(model, samples, {args}{f', peers={peers}' if peers else ''})",
+        f"pipe = PipelineStep(model, samples, {args})",
         "x = pipe.inputs  # traced inputs and input sizes per micro-batch",
     ]
     if train:
@@ -86,14 +100,24 @@ def _schedule_lines(
     peers = sorted(
         {_peer_rank(s, rank_of) for s in program if isinstance(s, (Post, Send)) and s.peer != group}
     )
-    lines = _prologue(train, peers)
+    mine = sorted({s.action.stage for s in program if isinstance(s, Compute)})
+    tag = scheduler in V_SHAPED  # two stages here: the lower one finishes the weights' gradients last
+    lines = _prologue(train, peers, mine[0] if tag and mine else None)
+    split = {
+        (s.action.stage, s.action.micro) for s in program if isinstance(s, Compute) and s.action.kind == "W"
+    }
     for step in program:
         if isinstance(step, Post) and step.peer != group:
             lines.append(_post_line(step, rank_of))
         elif isinstance(step, Compute) and step.action.kind == "F":
             lines += _forward_lines(step.action, nstages, rank_of, keep=train)
+        elif isinstance(step, Compute) and step.action.kind == "W":
+            a = step.action
+            lines += [f"# backward (weight gradients): stage {a.stage}, micro-batch {a.micro}"]
+            lines += [f"pipe.backward_weights({a.stage}, {a.micro})"]
         elif isinstance(step, Compute):
-            lines += _backward_lines(step.action, nstages, rank_of)
+            key = (step.action.stage, step.action.micro)
+            lines += _backward_lines(step.action, nstages, rank_of, key in split, tag)
     return lines + ["return pipe.finish()"]
 
 

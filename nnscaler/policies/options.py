@@ -172,11 +172,12 @@ class PipelineOptions(PolicyOptions):
     pipeline_nstages: int | Literal["auto"] = field(
         default="auto",
         metadata=_doc(
-            "Number of pipeline stages. 'auto': one per device group (two per device with 1f1b_interleaved).",
+            "Number of pipeline stages. 'auto': one per device group (two per device with 1f1b_interleaved, "
+            "zbv and dualpipev).",
             min=1,
         ),
     )
-    pipeline_scheduler: Literal["1f1b", "gpipe", "1f1b_interleaved"] = field(
+    pipeline_scheduler: Literal["1f1b", "gpipe", "1f1b_interleaved", "zb_h1", "zbv", "dualpipev"] = field(
         default="1f1b", metadata=_doc("The schedule of forwards and backwards over the micro-batches.")
     )
     pipeline_pivots: str | list[str] | None = field(

@@ -12,12 +12,13 @@ it only just before use. Receives posted early are Megatron's `send_forward_recv
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
 from nnscaler.errors import PlanError
+from nnscaler.policies.pipeline_actions import stage_group
 from nnscaler.policies.schedules import Action, forward_order, group_actions
 
 __all__ = [
@@ -42,15 +43,24 @@ class Message:
     stage: int
     micro: int
 
-    def src(self, pp_size: int) -> int:
-        return self.stage % pp_size
+    def src(self, place: int | Callable[[int], int]) -> int:
+        """The sending group; `place`: pp_size (stage s on group s % pp_size) or stage -> group."""
+        return _group(place, self.stage)
 
-    def dst(self, pp_size: int) -> int:
-        return (self.stage + (1 if self.kind == "F" else -1)) % pp_size
+    def dst(self, place: int | Callable[[int], int]) -> int:
+        return _group(place, self.stage + (1 if self.kind == "F" else -1))
 
     def __str__(self) -> str:
         what = "activations" if self.kind == "F" else "gradients"
         return f"{what} of stage {self.stage} micro-batch {self.micro}"
+
+
+def _group(place: int | Callable[[int], int], stage: int) -> int:
+    return place(stage) if callable(place) else stage % place
+
+
+def _placement(scheduler: str, pp_size: int) -> Callable[[int], int]:
+    return lambda stage: stage_group(scheduler, stage, pp_size)
 
 
 @dataclass(frozen=True)
@@ -93,7 +103,9 @@ def _orders(scheduler: str, nstages: int, pp_size: int, nmicros: int, train: boo
 
 
 def _needs(a: Action, nstages: int) -> Message | None:
-    """The message action `a` receives, if any."""
+    """The message action `a` receives, if any (a W receives nothing)."""
+    if a.kind == "W":
+        return None
     if a.kind == "F":
         return Message("F", a.stage - 1, a.micro) if a.stage > 0 else None
     return Message("B", a.stage + 1, a.micro) if a.stage + 1 < nstages else None
@@ -101,14 +113,18 @@ def _needs(a: Action, nstages: int) -> Message | None:
 
 def _makes(a: Action, nstages: int, train: bool) -> Message | None:
     """The message action `a` sends, if any."""
+    if a.kind == "W":
+        return None
     if a.kind == "F":
         return Message("F", a.stage, a.micro) if a.stage + 1 < nstages else None
     return Message("B", a.stage, a.micro) if a.stage > 0 and train else None
 
 
 def _send_times(orders: list[list[Action]], nstages: int, train: bool) -> dict[Message, Fraction]:
-    """When each message is sent in a run with buffered sends and exact unit costs (F 1, B 2)."""
+    """When each message is sent in a run with buffered sends and exact unit costs (F 1, B 2; a B split
+    off its W 1, the W 1)."""
     chunks = max(1, nstages // len(orders))
+    split = {(a.stage, a.micro) for order in orders for a in order if a.kind == "W"}
     done: dict[Action, Fraction] = {}
     sent: dict[Message, Fraction] = {}
     pos = [0] * len(orders)
@@ -122,10 +138,13 @@ def _send_times(orders: list[list[Action]], nstages: int, train: bool) -> dict[M
                 deps = [] if need is None else [Action(need.kind, need.stage, need.micro)]
                 if a.kind == "B":
                     deps.append(Action("F", a.stage, a.micro))
+                if a.kind == "W":
+                    deps.append(Action("B", a.stage, a.micro))
                 if any(d not in done for d in deps):
                     break
                 start = max([clock[g]] + [done[d] for d in deps])
-                clock[g] = done[a] = start + Fraction(1 if a.kind == "F" else 2, chunks)
+                cost = 2 if a.kind == "B" and (a.stage, a.micro) not in split else 1
+                clock[g] = done[a] = start + Fraction(cost, chunks)
                 made = _makes(a, nstages, train)
                 if made is not None:
                     sent[made] = clock[g]
@@ -146,9 +165,10 @@ def pair_sequences(
     """(group a, group b) with a < b -> their messages in the order both must issue them (cached: do not
     modify the result)."""
     sent = _send_times(_orders(scheduler, nstages, pp_size, nmicros, train), nstages, train)
+    place = _placement(scheduler, pp_size)
     out: dict[tuple[int, int], list[Message]] = {}
-    for msg in sorted(sent, key=lambda m: (sent[m], m.src(pp_size), m)):
-        a, b = sorted((msg.src(pp_size), msg.dst(pp_size)))
+    for msg in sorted(sent, key=lambda m: (sent[m], m.src(place), m)):
+        a, b = sorted((msg.src(place), msg.dst(place)))
         if a == b:  # a virtual stage feeding the next on the same group: no P2P pair
             continue
         out.setdefault((a, b), []).append(msg)
@@ -160,6 +180,7 @@ def group_program(
 ) -> list[Step]:
     """Device group `group`'s steps, P2P in the agreed order of each pair, receives posted early."""
     seqs = pair_sequences(scheduler, nstages, pp_size, nmicros, train)
+    place = _placement(scheduler, pp_size)
     mine = {(b if a == group else a): seq for (a, b), seq in seqs.items() if group in (a, b)}
     nxt = dict.fromkeys(mine, 0)
     posted: set[Message] = set()
@@ -167,7 +188,7 @@ def group_program(
 
     def post_ready(peer: int) -> None:
         seq = mine[peer]
-        while nxt[peer] < len(seq) and seq[nxt[peer]].dst(pp_size) == group:
+        while nxt[peer] < len(seq) and seq[nxt[peer]].dst(place) == group:
             steps.append(Post(seq[nxt[peer]], peer))
             posted.add(seq[nxt[peer]])
             nxt[peer] += 1
@@ -181,11 +202,11 @@ def group_program(
                 raise PlanError(
                     f"P2P order: device group {group} needs {need} before the order lets it post it"
                 )
-            steps.append(Wait(need, need.src(pp_size)))
+            steps.append(Wait(need, need.src(place)))
         steps.append(Compute(a))
         made = _makes(a, nstages, train)
         if made is not None:
-            peer = made.dst(pp_size)
+            peer = made.dst(place)
             if peer == group:  # to itself: posted right before the send
                 steps += [Post(made, peer), Send(made, peer)]
                 posted.add(made)
@@ -206,14 +227,15 @@ def unpaired_program(
 ) -> list[Step]:
     """The naive program (before NCCL ordering): send when made, post each receive just before use."""
     steps: list[Step] = []
+    place = _placement(scheduler, pp_size)
     for a in _orders(scheduler, nstages, pp_size, nmicros, train)[group]:
         need = _needs(a, nstages)
         if need is not None:
-            steps += [Post(need, need.src(pp_size)), Wait(need, need.src(pp_size))]
+            steps += [Post(need, need.src(place)), Wait(need, need.src(place))]
         steps.append(Compute(a))
         made = _makes(a, nstages, train)
         if made is not None:
-            steps.append(Send(made, made.dst(pp_size)))
+            steps.append(Send(made, made.dst(place)))
     return steps
 
 

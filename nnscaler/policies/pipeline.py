@@ -2,7 +2,8 @@
 
 pas_config keys (typed in nnscaler.policies.options, PpOptions / HybridOptions): `pipeline_nstages`
 (int or 'auto'), `pipeline_nmicros` (required), `pipeline_scheduler` ('1f1b' default, 'gpipe',
-'1f1b_interleaved'), `pipeline_pivots` (module class names where stages may start; default: the
+'1f1b_interleaved', and the zero-bubble 'zb_h1', 'zbv', 'dualpipev'; zbv and dualpipev run two
+stages per device group in a V), `pipeline_pivots` (module class names where stages may start; default: the
 model's blocks, finer where they are too unequal to balance: stage_balance.py),
 `pipeline_stages` (module paths where stages 1.. start, instead of balancing),
 and for `hybrid` `pp_size` (device groups; default `pipeline_nstages`, tensor parallelism inside each
@@ -22,6 +23,7 @@ from nnscaler.policies.expert_parallel import check_ep_size, with_expert_paralle
 from nnscaler.policies.nccl_sim import check_nccl
 from nnscaler.policies.op_cost import graph_costs
 from nnscaler.policies.options import HybridOptions, PipelineOptions, PpOptions
+from nnscaler.policies.pipeline_actions import V_SHAPED
 from nnscaler.policies.plan import SCHEDULERS, NodePlan, PipelinePlan, Plan
 from nnscaler.policies.recompute import recompute_paths
 from nnscaler.policies.schedules import simulate
@@ -153,7 +155,7 @@ def pas_pp(graph: Graph, cfg: ComputeConfig) -> Plan:
     # policy calling pas_pp may carry keys of its own)
     opts = PpOptions.from_pas_config(cfg.pas_config, strict=False)
     pp_size = cfg.plan_ngpus
-    interleaved = opts.pipeline_scheduler == "1f1b_interleaved"
+    interleaved = opts.pipeline_scheduler in ("1f1b_interleaved", *V_SHAPED)
     nstages = _nstages(opts) or pp_size * (2 if interleaved else 1)
     if nstages % pp_size:
         raise PlanError(

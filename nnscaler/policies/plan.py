@@ -43,8 +43,9 @@ class NodePlan:
 REPLICATE = NodePlan()
 
 
-SCHEDULERS = ("gpipe", "1f1b", "1f1b_interleaved")
-"""Pipeline schedules the runtime can run (see nnscaler.policies.schedules)."""
+SCHEDULERS = ("gpipe", "1f1b", "1f1b_interleaved", "zb_h1", "zbv", "dualpipev")
+"""Pipeline schedules the runtime can run (see nnscaler.policies.schedules; the zero-bubble ones split
+backwards into input and weight gradients: nnscaler.policies.zero_bubble)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class PipelinePlan:
       consecutive runs of nodes.
     pp_size: device groups; stage s runs on group s % pp_size, i.e. plan devices
       [g * tp_size, (g + 1) * tp_size) with tp_size = plan_ngpus // pp_size. More stages than groups
-      are virtual stages (1f1b_interleaved).
+      are virtual stages (1f1b_interleaved); zbv and dualpipev run 2 x pp_size stages in a V (stage s
+      and stage 2 pp_size - 1 - s on group s: nnscaler.policies.pipeline_actions.stage_group).
     nmicros: micro-batches per train_step.
     """
 

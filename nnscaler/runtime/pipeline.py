@@ -10,6 +10,11 @@ No tags (NCCL ignores them): P2P ops between two ranks are matched in issue orde
 issue them in one agreed order. The generated code does (nnscaler/policies/p2p_plan.py): it posts
 receives early with `post_recv_forward` / `post_recv_backward` where the order needs them, before
 later sends. `NNSCALER_STRICT_P2P=1` checks the order on gloo (nnscaler/runtime/p2p.py).
+
+Zero-bubble schedules split a stage's backward: `backward_inputs` / `backward_loss_inputs` (B) compute
+the gradients of its inputs and keep its graph, `backward_weights` (W) the gradients of its weights
+later (nnscaler/runtime/grads/split_backward.py). In V-shaped schedules two consecutive stages run on
+one rank: what one sends the other is handed over in memory.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch.distributed as dist
 
 from nnscaler.runtime.device import is_initialized
 from nnscaler.runtime.dist.p2p import P2P, Label, connect
+from nnscaler.runtime.grads.split_backward import PendingWeights, backward_inputs, backward_weights
 from nnscaler.runtime.module_parts.step_outputs import detached, share_outputs
 
 __all__ = ["TensorSpec", "PipelineStep", "split_micro_batches", "forward_kwargs"]
@@ -107,8 +113,12 @@ class PipelineStep:
         scale_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
         is_dummy_batch: Sequence[bool] | None = None,
         peers: Sequence[int] = (),
+        reduce_stage: int | None = None,
     ) -> None:
-        """peers: the ranks this rank's schedule exchanges P2P ops with (connected first, in order)."""
+        """peers: the ranks this rank's schedule exchanges P2P ops with (connected first, in order).
+        reduce_stage: only this stage's last backward launches gradient reductions (a rank running two
+        stages that share weights, as in a V, finishes their gradients there); None: every stage's."""
+        self.reduce_stage = reduce_stage
         self.model = model
         self.nmicros = len(samples)
         self.kwargs = [forward_kwargs(s, model.forward_args) for s in samples]
@@ -125,6 +135,11 @@ class PipelineStep:
             connect(peers, self._device)
         self._posted: dict[tuple[int, bool, int], list[tuple[Any, torch.Tensor]]] = {}
         """(receiving stage key, backward, micro-batch) -> receives posted, not yet waited."""
+        self._rank = dist.get_rank() if is_initialized() else None
+        self._local: dict[tuple[int, bool, int], list[torch.Tensor]] = {}
+        """Sends to this rank itself (consecutive stages on one rank), by the key of `_posted`."""
+        self._weights: dict[tuple[int, int], PendingWeights] = {}
+        """(stage, micro-batch) -> what its W needs, between its B and its W."""
         self.inputs: list[dict[str, Any]] = []
         """Pipelined modules: each micro-batch's traced inputs and input sizes, by name."""
         self.specs: dict[int, list[TensorSpec]] = {}
@@ -138,6 +153,9 @@ class PipelineStep:
     def _send(
         self, tensors: Sequence[torch.Tensor], dst: int, stage: int, backward: bool, micro: int
     ) -> None:
+        if dst == self._rank:  # the next / previous stage runs here too: hand over in memory
+            self._local[(stage, backward, micro)] = [t.detach() for t in tensors]
+            return
         for i, t in enumerate(tensors):
             if is_initialized():
                 self._p2p.send(t.detach().contiguous(), dst, Label("B" if backward else "F", stage, micro, i))
@@ -156,6 +174,8 @@ class PipelineStep:
 
     def _recv(self, specs: Sequence[TensorSpec], src: int, stage: int, backward: bool, micro: int) -> list:
         key = (stage, backward, micro)
+        if src == self._rank and key in self._local:
+            return self._local.pop(key)
         if key not in self._posted:
             self._post(specs, src, stage, backward, micro)
         out = []
@@ -203,22 +223,52 @@ class PipelineStep:
         self._send(grads, dst, stage, True, micro)
 
     # ---- compute ---------------------------------------------------------------------------------
-    def _reducing(self, micro: int | None) -> AbstractContextManager[None]:
+    def _reducing(self, micro: int | None, stage: int | None = None) -> AbstractContextManager[None]:
         """The last micro-batch's backward launches the gradient reductions as buckets fill, overlapping
         them with the rest of backward (and the pipeline's last sends); earlier ones only accumulate.
         Every schedule runs each stage's backwards in micro-batch order, so that is its last backward."""
+        if self.reduce_stage is not None and stage != self.reduce_stage:
+            return nullcontext()
         if self.train and micro == self.nmicros - 1 and hasattr(self.model, "reducing"):
             return self.model.reducing()
         return nullcontext()
 
     def backward(
-        self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], micro: int | None = None
+        self,
+        outputs: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor | None],
+        micro: int | None = None,
+        stage: int | None = None,
     ) -> None:
         """Backward through one stage from the gradients of its outputs (for micro-batch `micro`)."""
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         if pairs:
-            with self._reducing(micro):
+            with self._reducing(micro, stage):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    def backward_inputs(
+        self,
+        outputs: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor | None],
+        inputs: Sequence[torch.Tensor],
+        stage: int,
+        micro: int,
+    ) -> None:
+        """B of a split backward: the gradients of `stage`'s `inputs` (their `.grad`, for send_backward);
+        the weights' wait for `backward_weights(stage, micro)`."""
+        params = self.model.parameters()
+        self._weights[(stage, micro)] = backward_inputs(outputs, grads, inputs, params)
+
+    def backward_loss_inputs(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], stage: int, micro: int
+    ) -> None:
+        """B of the last stage: from the loss of `micro` (scaled as in `backward_loss`)."""
+        self.backward_inputs([self._scaled_loss(outputs, micro)], [None], inputs, stage, micro)
+
+    def backward_weights(self, stage: int, micro: int) -> None:
+        """W of a split backward: accumulate the weights' gradients of `stage` for `micro` into `.grad`."""
+        with self._reducing(micro, stage):
+            backward_weights(self._weights.pop((stage, micro)))
 
     def loss(self, outputs: Sequence[torch.Tensor], micro: int) -> torch.Tensor:
         """The last stage's first output is the micro-batch's loss."""
@@ -228,23 +278,26 @@ class PipelineStep:
             self.outputs[micro] = detached(outputs)
         return loss
 
-    def backward_loss(self, outputs: Sequence[torch.Tensor], micro: int) -> None:
+    def backward_loss(self, outputs: Sequence[torch.Tensor], micro: int, stage: int | None = None) -> None:
         """Backward from the loss of `micro` (scaled by `scale_fn`, zero for a dummy micro-batch)."""
+        loss = self._scaled_loss(outputs, micro)
+        with self._reducing(micro, stage):
+            loss.backward()
+
+    def _scaled_loss(self, outputs: Sequence[torch.Tensor], micro: int) -> torch.Tensor:
         loss = outputs[0]
         if self.scale_fn is not None:
             loss = self.scale_fn(loss)
-        if self.dummy[micro]:
-            loss = loss * 0.0
-        with self._reducing(micro):
-            loss.backward()
+        return loss * 0.0 if self.dummy[micro] else loss
 
     # ---- end of step ---------------------------------------------------------------------------------
     def finish(self) -> list[torch.Tensor]:
         """Wait for the sends, sum the gradients of weights shared by stages, return every loss."""
         self._p2p.finish()
-        if self._posted:
+        if self._posted or self._local or self._weights:
             raise RuntimeError(
-                f"pipeline step ended with receives posted but never used: {sorted(self._posted)}"
+                "pipeline step ended with receives posted but never used or weight gradients never computed: "
+                f"{sorted(self._posted) + sorted(self._local) + sorted(self._weights)}"
             )
         if self.train:
             self.model.sync_tied_grads()
