@@ -25,6 +25,7 @@ import nnscaler.cli.resume as _resume
 import nnscaler.integration.hf as hf
 from nnscaler.cli.aggregate import AggregatedOutputs, default_aggregate, scale_grads
 from nnscaler.cli.console import announce_model, say
+from nnscaler.cli.elastic import Elastic
 from nnscaler.cli.field_names import in_trainer_terms
 from nnscaler.cli.forward_args import ForwardConvention, forward_convention
 from nnscaler.cli.last_batch import check_short_micro_batch
@@ -82,6 +83,8 @@ class Trainer:
         """Optimizer steps in an epoch (a short last global batch counts as one); set at setup."""
         self.max_train_steps: int | None = None
         """Optimizer steps the run ends at: max_train_steps, max_epochs' steps, or the smaller."""
+        self.elastic = Elastic()
+        """In-memory snapshots and restarts under torchrun's elastic agent (nnscaler.cli.elastic)."""
         self.dataloader_resumed = False
         """The training dataloader's own state was restored from the checkpoint (a dataloader with
         `state_dict` / `load_state_dict`), instead of skipping the samples already seen."""
@@ -95,6 +98,7 @@ class Trainer:
             if self.train_args.compile_mode:
                 return
             self._train()
+            self.elastic.finish()
         except Exception as err:
             if self.heartbeat is not None:
                 peer = None if isinstance(err, NnScalerError) else self.heartbeat.diagnose(err)
@@ -114,6 +118,8 @@ class Trainer:
         if dist.is_available() and dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self.heartbeat = Heartbeat()
+        self.elastic = Elastic.prepare(self)  # after a restart: re-planned args, resume from a snapshot
+        args = self.train_args
         cc = args.compute_config
         if not args.compile_mode and self.world_size != cc.runtime_ngpus:
             raise ConfigError(
@@ -163,6 +169,7 @@ class Trainer:
             hf.load_pretrained(self.model, args.model.pretrained_path, args.model.hf_prefix)
             say(self.rank, f"loaded pretrained weights from {args.model.pretrained_path}")
         _resume.resume(self)
+        self.elastic.after_resume(self)
         self.hook.after_setup(self)
 
     def _make_loaders(self) -> None:
@@ -393,6 +400,7 @@ class Trainer:
         status["step"] += 1
         status["next_sample"] += count * args.micro_batch_size
         self.losses.append(loss)
+        elastic_metrics = self.elastic.after_step(self)  # snapshot taken at the step boundary
         wall = time.perf_counter() - t0
         metrics = {
             "train/loss": loss,
@@ -401,6 +409,7 @@ class Trainer:
             "train/epoch": epoch,
             "train/step_time": wall,
             "train/samples_per_sec": count * args.micro_batch_size / max(wall, 1e-9),
+            **elastic_metrics,
         }
         for m in self.model.modules():  # robust grad_aggregation: steps each replica was dropped in
             if isinstance(m, ParallelModule) and m.aggregation_stats is not None:

@@ -1,0 +1,158 @@
+"""Elastic training under torchrun's elastic agent: in-memory step snapshots, restart, re-plan.
+
+    torchrun --nnodes 1:4 --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d \
+        --rdzv-endpoint host:29400 --rdzv-id job42 -m nnscaler.cli.train -f cfg.yaml --snapshot_every 1
+
+The Trainer calls `Elastic.prepare` once the process group exists (before compiling), `after_resume`,
+`after_step` at every step boundary and `finish` when training ends; see docs/elastic.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nnscaler.cli.checkpoint import checkpoint_info
+from nnscaler.cli.configs import ResumeOptions
+from nnscaler.cli.console import say
+from nnscaler.cli.elastic import restore, store
+from nnscaler.cli.elastic.membership import Membership, membership, snapshot_root
+from nnscaler.cli.elastic.replan import nearest_plan_size, replan
+from nnscaler.cli.elastic.snapshot import SnapshotWriter
+
+__all__ = ["Elastic", "nearest_plan_size", "replan"]
+
+logger = logging.getLogger(__name__)
+
+RESTARTS_KEY, REDONE_KEY = "elastic_restarts", "elastic_redone_steps"
+"""train_status keys (saved with it): restarts so far and the steps they redid."""
+
+
+class Elastic:
+    """The Trainer's elastic state; inactive (every method a no-op) unless snapshots are on or the
+    process runs under torchrun's agent."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.writer: SnapshotWriter | None = None
+        self.restored: tuple[str, int, int] | None = None
+        """(source, step resumed from, newest step reached before the restart) after a restart."""
+
+    @classmethod
+    def prepare(cls, trainer: Any) -> Elastic:
+        """Before compiling: after a restart, re-plan for the new world and point the resume at the newest
+        complete snapshot (else the last disk checkpoint); on a fresh start, clear old snapshots."""
+        self = cls()
+        args = trainer.train_args
+        if args.compile_mode or not (args.snapshot_every or "TORCHELASTIC_RESTART_COUNT" in os.environ):
+            return self
+        self.active = True
+        world = trainer.world_size
+        group = dist.new_group(backend="gloo") if world > 1 else None
+        member = membership(trainer.rank, world)
+        restarts = _max_over_ranks(member.restart_count, group)
+        root = snapshot_root(args.snapshot_dir, member.run_id)
+        continuing = restarts > 0 or args.checkpoint.resume_from is not None
+        if restarts > 0:
+            trainer.train_args, line = replan(args, world)
+            if line:
+                say(trainer.rank, f"elastic restart {restarts}: {line}")
+        if continuing:
+            self._point_resume(trainer, root, member, group, restarts)
+        elif member.is_node_leader:
+            store.clear(root)  # a fresh run: snapshots left under this run id are not ours
+        if group is not None:
+            dist.barrier(group=group)
+        self.writer = SnapshotWriter(trainer.train_args.snapshot_every, root, member, group)
+        return self
+
+    def _point_resume(self, trainer: Any, root: Any, member: Membership, group: Any, restarts: int) -> None:
+        found = restore.survey(root, member, group)
+        step = found.complete_step()
+        cfg = trainer.train_args.checkpoint
+        disk = cfg.get_resume_checkpoint() if cfg.resume_from else None
+        if disk is None and not cfg.no_save:
+            cfg.resume_from, disk = ResumeOptions(checkpoint="last"), cfg.get_resume_checkpoint()
+        disk_step = _disk_step(disk)
+        if step is not None and step >= disk_step:
+            lost = found.lost_ranks(step)
+            old_world = next(iter(found.files(step).values()))["world_size"]
+            path = restore.stage(root, step, found, member, group)
+            cfg.resume_from = ResumeOptions(checkpoint=str(path))
+            self.restored = ("in-memory snapshot", step, found.reached)
+            say(
+                trainer.rank,
+                f"elastic restart {restarts}: world {old_world} -> {member.world_size} ranks; "
+                + (f"lost ranks {lost} (their peer copies survive); " if lost else "no rank's memory lost; ")
+                + f"newest complete snapshot: step {step}",
+            )
+        else:
+            source = f"disk checkpoint {disk}" if disk is not None else "scratch (no checkpoint)"
+            if disk is None:
+                cfg.resume_from = None
+            self.restored = (source, max(disk_step, 0), max(found.reached, disk_step))
+            say(
+                trainer.rank,
+                f"elastic restart {restarts}: no complete in-memory snapshot; resuming from {source}",
+            )
+
+    def after_resume(self, trainer: Any) -> None:
+        """Count the restart and the steps it redoes (kept in train_status, so they add up over restarts)."""
+        if self.restored is None:
+            return
+        source, _, reached = self.restored
+        status = trainer.train_status
+        step = status["step"]
+        redone = max(0, reached - step)
+        status[RESTARTS_KEY] = (status[RESTARTS_KEY] if RESTARTS_KEY in status else 0) + 1
+        status[REDONE_KEY] = (status[REDONE_KEY] if REDONE_KEY in status else 0) + redone
+        say(
+            trainer.rank,
+            f"elastic: resumed from {source} at step {step}; newest step reached before the restart: "
+            f"{reached}; {redone} step(s) redone",
+        )
+
+    def after_step(self, trainer: Any) -> dict[str, float]:
+        """At a step boundary: take a snapshot when due; the elastic metrics of the step."""
+        if not self.active:
+            return {}
+        if self.writer is not None:
+            self.writer.maybe_take(trainer)
+        status = trainer.train_status
+        return {
+            "elastic/restarts": float(status[RESTARTS_KEY] if RESTARTS_KEY in status else 0),
+            "elastic/redone_steps": float(status[REDONE_KEY] if REDONE_KEY in status else 0),
+        }
+
+    def finish(self) -> None:
+        """Training ended normally: wait for the snapshot in flight, then free the node's memory."""
+        w = self.writer
+        if w is None:
+            return
+        w.wait()
+        if w.group is not None:
+            dist.barrier(group=w.group)
+        if w.member.is_node_leader:
+            store.clear(w.root)
+
+
+def _max_over_ranks(value: int, group: Any) -> int:
+    if group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t)
+
+
+def _disk_step(path: Any) -> int:
+    """The step of a disk checkpoint directory (its complete.json), -1 without one."""
+    if path is None:
+        return -1
+    try:
+        return int(checkpoint_info(path).get("step", -1))
+    except Exception:  # a merged file or an unreadable one: the resume path reports it
+        return -1

@@ -1,0 +1,132 @@
+"""Fault drills under torchrun's elastic agent on one machine: simulated nodes are agents with their
+own snapshot directory ($NNSCALER_SNAPSHOT_DIR), run as `torchrun ... -m tests.cli.elastic_harness`.
+
+Environment of a drill worker: DRILL_OUT (a directory for loss records and pid files), DRILL_NODE (the
+simulated node's name), DRILL_KILL_NODE / DRILL_KILL_STEP (that node's workers stop after that step of
+the first round and wait to be SIGKILLed by the driver, which `kill_node` does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from nnscaler.cli.train_hook import TrainHook
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class DrillHook(TrainHook):
+    """Records each step's loss (with the restart it ran in) and freezes the victim node on cue."""
+
+    def on_train_start(self, trainer: Any) -> None:
+        out = _out() / f"pids-{os.environ['DRILL_NODE']}"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{trainer.rank}.pid").write_text(str(os.getpid()))
+
+    def on_step_end(self, trainer: Any, epoch: int, idx: int, metrics: dict, agg: Any) -> None:
+        step = trainer.train_status["step"]
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        node = os.environ["DRILL_NODE"]
+        record = {
+            "step": step,
+            "loss": metrics["train/loss"],
+            "restart": restart,
+            "world": trainer.world_size,
+        }
+        record.update({k: v for k, v in metrics.items() if k.startswith("elastic/")})
+        with open(_out() / f"losses-{node}-{trainer.rank}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if node == os.environ.get("DRILL_KILL_NODE") and restart == 0:
+            if step == int(os.environ["DRILL_KILL_STEP"]):
+                (_out() / f"frozen-{node}-{trainer.rank}").write_text(str(step))
+                time.sleep(600)  # the driver SIGKILLs the node now
+
+
+def _out() -> Path:
+    return Path(os.environ["DRILL_OUT"])
+
+
+def start_agent(
+    node: str, port: int, out: Path, argv: list[str], *, nnodes: str = "1:2", env: dict | None = None
+) -> subprocess.Popen:
+    """One simulated node: a torchrun elastic agent with 2 workers, in a session of its own."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=localhost:{port}",
+        "--rdzv-id=drill",
+        "--rdzv-conf=last_call_timeout=4,join_timeout=120",
+        "--max-restarts=3",
+        "--monitor-interval=0.2",
+        "-m",
+        "tests.cli.elastic_harness",
+        *argv,
+    ]
+    full_env = {
+        **os.environ,
+        **(env or {}),
+        "DRILL_OUT": str(out),
+        "DRILL_NODE": node,
+        "NNSCALER_SNAPSHOT_DIR": str(out / f"shm-{node}"),
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        # torch's shared agent store keeps the previous round's keys: a restarted round's process
+        # group would connect to the dead round's addresses (docs/elastic.md)
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
+    log = open(out / f"agent-{node}.log", "w")
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def wait_for(path_glob: str, out: Path, count: int, timeout: float, agents: list[subprocess.Popen]) -> None:
+    """Until `count` files match `path_glob` under `out` (an agent ending first fails the drill)."""
+    deadline = time.monotonic() + timeout
+    while len(list(out.glob(path_glob))) < count:
+        if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
+            raise AssertionError(f"drill: {path_glob} did not appear; logs: {agent_logs(out)}")
+        time.sleep(0.2)
+
+
+def kill_node(node: str, agent: subprocess.Popen, out: Path) -> None:
+    """SIGKILL a simulated node: its agent and every worker (workers run in sessions of their own)."""
+    os.killpg(agent.pid, signal.SIGKILL)
+    for pid_file in (out / f"pids-{node}").glob("*.pid"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.wait()
+
+
+def agent_logs(out: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-6000:]}" for p in sorted(out.glob("agent-*.log")))
+
+
+def losses(out: Path, node: str, rank: int = 0) -> list[dict[str, Any]]:
+    """The loss records of one worker slot, in order (a restarted worker appends to the same file)."""
+    path = out / f"losses-{node}-{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def final_losses(records: list[dict[str, Any]]) -> dict[int, float]:
+    """Step -> loss of the last run of each step (a redone step keeps its redone loss)."""
+    return {r["step"]: r["loss"] for r in records}
+
+
+if __name__ == "__main__":
+    from nnscaler.cli import Trainer
+
+    Trainer(sys.argv[1:]).run()
