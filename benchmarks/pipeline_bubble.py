@@ -3,13 +3,15 @@
 Four gloo processes (spawned here, FileStore rendezvous, one torch thread each) compile a nanoGPT
 (examples/nanogpt/model.py) with `nnscaler.parallelize(model, dummy, 'pp', ComputeConfig(4, 4,
 use_end2end=True, pas_config={'pipeline_nmicros': m, 'pipeline_scheduler': s}))` into 4 pipeline
-ranks (8 virtual stages with '1f1b_interleaved'), and time `pm.train_step(micro_batches)` for every
-scheduler in (gpipe, 1f1b, 1f1b_interleaved) and every m in (4, 8, 16): all nine are compiled and
-warmed up first, then timed one train_step each per round, in alternating order, so that changes in
+ranks (8 virtual stages with '1f1b_interleaved', and in a V with the zero-bubble 'zbv' and 'dualpipev'),
+and time `pm.train_step(micro_batches)` for every scheduler in (gpipe, 1f1b, 1f1b_interleaved, zb_h1,
+zbv, dualpipev) and every m in (4, 8, 16) (dualpipev from 8): all are compiled and warmed up first, then timed one train_step each per round, in alternating order, so that changes in
 the machine's load hit all of them alike.
 
 Each rank's compute time is the wall time spent inside the generated module's `stage*` methods
-(forwards) and inside `PipelineStep.backward` / `PipelineStep.backward_loss` (backwards), timed by
+(forwards) and inside `PipelineStep.backward` / `PipelineStep.backward_loss` (backwards; for the
+zero-bubble schedules also their split halves `backward_inputs` / `backward_loss_inputs` (B) and
+`backward_weights` (W)), timed by
 wrappers installed in this benchmark's processes (the library is not changed). Its idle fraction
 in one step is 1 - compute / (wall time of train_step), averaged over the measured steps. Printed
 as JSON for each (scheduler, nmicros), per rank: the measured idle fraction, the idle fraction that
@@ -52,7 +54,8 @@ from benchmarks.common import build_gpt, load_note, nparams  # noqa: E402
 
 WORLD = 4
 """Pipeline ranks (processes); one pipeline stage each, two with '1f1b_interleaved'."""
-SCHEDULERS = ("gpipe", "1f1b", "1f1b_interleaved")
+SCHEDULERS = ("gpipe", "1f1b", "1f1b_interleaved", "zb_h1", "zbv", "dualpipev")
+"""zbv and dualpipev run 8 stages in a V (two per rank); dualpipev needs nmicros >= 8 (skipped below)."""
 NMICROS = (4, 8, 16)
 
 
@@ -72,7 +75,10 @@ class _Timers:
         self.wall = dict.fromkeys(KINDS, 0.0)
         self.cpu = dict.fromkeys(KINDS, 0.0)
 
-    def wrap(self, fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    def wrap(self, fn: Callable[..., Any], kind: str, sleep_share: float = 1.0) -> Callable[..., Any]:
+        """sleep_share: the part of the kind's --sleep-ms this call emulates (half for a split backward's B
+        and W each)."""
+
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self.depth:
                 return fn(*args, **kwargs)
@@ -80,7 +86,7 @@ class _Timers:
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 if self.sleep[kind]:
-                    time.sleep(self.sleep[kind])
+                    time.sleep(self.sleep[kind] * sleep_share)
                 return fn(*args, **kwargs)
             finally:
                 self.wall[kind] += time.perf_counter() - t0
@@ -202,6 +208,8 @@ def worker(rank: int, tmp: str, args: argparse.Namespace) -> None:
     timers = _Timers()
     PipelineStep.backward = timers.wrap(PipelineStep.backward, "bwd")
     PipelineStep.backward_loss = timers.wrap(PipelineStep.backward_loss, "bwd")
+    for name in ("backward_inputs", "backward_loss_inputs", "backward_weights"):  # zero-bubble B and W
+        setattr(PipelineStep, name, timers.wrap(getattr(PipelineStep, name), "bwd", 0.5))
     for name, kind in [
         ("recv_forward", "recv"),
         ("recv_backward", "recv"),
@@ -211,7 +219,13 @@ def worker(rank: int, tmp: str, args: argparse.Namespace) -> None:
     ]:
         setattr(PipelineStep, name, timers.wrap(getattr(PipelineStep, name), kind))
 
-    configs = [(scheduler, nmicros) for scheduler in args.schedulers for nmicros in args.nmicros]
+    configs = [
+        (scheduler, nmicros)
+        for scheduler in args.schedulers
+        for nmicros in args.nmicros
+        if scheduler != "dualpipev"
+        or nmicros >= 2 * WORLD  # DualPipeV: at least as many micro-batches as stages
+    ]
     runs = {c: _build(tmp, args, timers, *c) for c in configs}
     for run in runs.values():
         for _ in range(args.warmup):
@@ -271,6 +285,7 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run: nmicros 4 and 8, 1 warm-up and 2 timed steps"
     )
+    parser.add_argument("--only-8", action="store_true", help="nmicros 8 only (the issue's comparison)")
     parser.add_argument(
         "--sleep-ms",
         type=float,
@@ -280,6 +295,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.nmicros, args.warmup, args.steps = [4, 8], 1, 2
+    if args.only_8:
+        args.nmicros = [8]
     start, load_before = time.perf_counter(), load_note()
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(worker, args=(tmp, args), nprocs=WORLD, start_method="spawn")

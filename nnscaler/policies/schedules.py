@@ -86,7 +86,7 @@ def group_actions(scheduler: str, nstages: int, pp_size: int, nmicros: int, grou
     if chunks != 1:
         raise PlanError(
             f"{nstages} stages on {pp_size} device groups (virtual stages) need pipeline_scheduler "
-            f"'1f1b_interleaved', not {scheduler!r}"
+            f"'1f1b_interleaved' (or, for exactly two per group, the V-shaped 'zbv' / 'dualpipev'), not {scheduler!r}"
         )
     if scheduler == "gpipe":
         return _gpipe(group, nmicros)
