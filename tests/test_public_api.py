@@ -183,9 +183,65 @@ def public_signatures() -> str:
         lines.append(f"nnscaler.parallel.{name}" + (" = nnscaler." + name if same else _describe(obj)))
     for name in sorted(nnscaler.utils.__all__):  # nnScaler 0.8's helpers for scripts
         lines.append(f"nnscaler.utils.{name}{_describe(getattr(nnscaler.utils, name))}")
+    lines += _policy_api_08_lines()
     fields = ", ".join(f"{f.name}: {f.type}" for f in ComputeConfig.__dataclass_fields__.values())
     lines.append(f"nnscaler.ComputeConfig fields ({fields})")
     return "\n".join(lines) + "\n"
+
+
+POLICY_API_08_MODULES = [  # nnScaler 0.8's policy API: the import paths its policies and examples use
+    "nnscaler.graph",
+    "nnscaler.graph.graph",
+    "nnscaler.graph.segment",
+    "nnscaler.graph.function.anchor",
+    "nnscaler.graph.function.dimops",
+    "nnscaler.graph.schedule.predefined",
+    "nnscaler.graph.parser.register",
+    "nnscaler.ir",
+    "nnscaler.ir.operator",
+    "nnscaler.ir.cten",
+    "nnscaler.ir.tensor",
+]
+
+
+def _policy_api_08_lines() -> list[str]:
+    """Each module's names (where they live) and, once, each class's public members."""
+    import importlib
+
+    lines, seen = [], set()
+    for path in POLICY_API_08_MODULES:
+        module = importlib.import_module(path)
+        for name in sorted(getattr(module, "__all__", ("IRGraph", "IRSegment"))):
+            obj = getattr(module, name)
+            lines.append(f"{path}.{name} = {obj.__module__}.{obj.__qualname__}")
+            if not inspect.isclass(obj) or obj in seen:
+                continue
+            seen.add(obj)
+            for member, value in sorted(vars(obj).items()):
+                if member.startswith("_") or not (
+                    callable(value) or isinstance(value, (property, staticmethod))
+                ):
+                    continue
+                target = value.__func__ if isinstance(value, staticmethod) else value
+                sig = "<property>" if isinstance(value, property) else _describe(target)
+                lines.append(f"  {obj.__qualname__}.{member}{sig}")
+    return lines
+
+
+def test_nnscaler_08_policy_api_names_import() -> None:
+    # what nnScaler 0.8's policies.py, swin's policy gallery and examples/utils.py import
+    from nnscaler.graph import IRGraph  # noqa: F401
+    from nnscaler.graph.function.anchor import IRGraphAnchor  # noqa: F401
+    from nnscaler.graph.function.dimops import DimopSplit, IRDimops, TransformRule  # noqa: F401
+    from nnscaler.graph.parser.register import register_op
+    from nnscaler.graph.schedule.predefined import PredefinedSched  # noqa: F401
+    from nnscaler.graph.segment import IRSegment  # noqa: F401
+    from nnscaler.ir import IRCell, IRFullTensor, IRSubTensor, IRTensor  # noqa: F401
+    from nnscaler.ir.cten import IRCell as Cell
+    from nnscaler.ir.operator import IRBpOperation, IRDataOperation, IRFwOperation  # noqa: F401
+    from nnscaler.ir.tensor import IRFullTensor as Full
+
+    assert register_op is nnscaler.register_op and Cell is IRCell and Full is IRFullTensor
 
 
 def test_public_signatures_are_recorded() -> None:
