@@ -8,13 +8,10 @@ A view never changes the Graph: what a policy does to a node is recorded by the 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nnscaler.graph.ir import Graph, Node, iter_refs
 from nnscaler.graph.ops import BoundAnno, annotate_node, get_rule, layouts_for
-
-if TYPE_CHECKING:
-    from nnscaler.graph.policy_api.irgraph import IRGraph
 
 __all__ = [
     "IRObject",
@@ -141,7 +138,8 @@ class IRFwOperation(IRCell):
     origin: the traced node's name (the Plan's key); piece / pieces: which piece of how many.
     """
 
-    def __init__(self, node: Node, owner: IRGraph, cid: int, piece: int = 0, pieces: int = 1) -> None:
+    def __init__(self, node: Node, owner: Any, cid: int, piece: int = 0, pieces: int = 1) -> None:
+        """owner: the IRGraph holding the op (its traced graph and tensors)."""
         self._node = node
         self._owner = owner
         self.cid = cid
