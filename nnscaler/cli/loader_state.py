@@ -29,7 +29,20 @@ def loader_state(trainer: Any) -> Any:
     """The training dataloader's state for this rank's checkpoint (None: not resumable)."""
     loaders = getattr(trainer, "loaders", None) or {}
     loader = loaders["train"][0] if "train" in loaders else None
-    return loader.state_dict() if loader is not None and is_resumable(loader) else None
+    if loader is None or not is_resumable(loader):
+        return None
+    try:
+        return loader.state_dict()
+    except (AttributeError, NotImplementedError) as err:
+        # a wrapper that has the method but no state behind it, e.g. accelerate's DataLoaderShard over a
+        # plain DataLoader (its state_dict reads a `dl_state_dict` only a stateful base loader sets)
+        logger.warning(
+            "the training dataloader (%s) cannot give its state (%s): the checkpoint keeps none and a "
+            "resumed run skips the samples already seen",
+            type(loader).__name__,
+            err,
+        )
+        return None
 
 
 def restore_loader(trainer: Any, saved: Any, merged: bool) -> bool:
