@@ -2,8 +2,9 @@
 own snapshot directory ($NNSCALER_SNAPSHOT_DIR), run as `torchrun ... -m tests.cli.elastic_harness`.
 
 Environment of a drill worker: DRILL_OUT (a directory for loss records and pid files), DRILL_NODE (the
-simulated node's name), DRILL_KILL_NODE / DRILL_KILL_STEP (that node's workers stop after that step of
-the first round and wait to be SIGKILLed by the driver, which `kill_node` does).
+simulated node's name), DRILL_KILL_NODE / DRILL_KILL_STEP (those nodes' workers, comma-separated names,
+stop after that step, once, and wait to be SIGKILLed by the driver (`kill_node`) or restarted by
+their agent when another node joins).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,14 +41,30 @@ class DrillHook(TrainHook):
             "loss": metrics["train/loss"],
             "restart": restart,
             "world": trainer.world_size,
+            "pid": os.getpid(),
         }
         record.update({k: v for k, v in metrics.items() if k.startswith("elastic/")})
         with open(_out() / f"losses-{node}-{trainer.rank}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-        if node == os.environ.get("DRILL_KILL_NODE") and restart == 0:
-            if step == int(os.environ["DRILL_KILL_STEP"]):
-                (_out() / f"frozen-{node}-{trainer.rank}").write_text(str(step))
-                time.sleep(600)  # the driver SIGKILLs the node now
+        marker = _out() / f"frozen-{node}-{trainer.rank}"
+        victims = os.environ.get("DRILL_KILL_NODE", "").split(",")
+        if node in victims and step == int(os.environ["DRILL_KILL_STEP"]) and not marker.exists():
+            marker.write_text(str(step))
+            time.sleep(600)  # the driver kills the node now (or a joining node restarts it)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def node_records(out: Path, node: str) -> list[dict[str, Any]]:
+    """Every loss record of a simulated node's workers, in the order each worker wrote them."""
+    records = []
+    for path in sorted(out.glob(f"losses-{node}-*.jsonl")):
+        records += [json.loads(line) for line in path.read_text().splitlines()]
+    return records
 
 
 def _out() -> Path:

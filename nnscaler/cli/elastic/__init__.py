@@ -20,13 +20,16 @@ from nnscaler.cli.checkpoint import checkpoint_info
 from nnscaler.cli.configs import ResumeOptions
 from nnscaler.cli.console import say
 from nnscaler.cli.elastic import restore, store
-from nnscaler.cli.elastic.membership import Membership, membership, snapshot_root
+from nnscaler.cli.elastic.membership import Membership, agent_id, membership, snapshot_root
 from nnscaler.cli.elastic.replan import nearest_plan_size, replan
 from nnscaler.cli.elastic.snapshot import SnapshotWriter
 
 __all__ = ["Elastic", "nearest_plan_size", "replan"]
 
 logger = logging.getLogger(__name__)
+
+AGENT_FILE = "agent"
+"""In a node's snapshot directory: the elastic agent whose workers wrote the snapshots."""
 
 RESTARTS_KEY, REDONE_KEY = "elastic_restarts", "elastic_redone_steps"
 """train_status keys (saved with it): restarts so far and the steps they redid."""
@@ -54,23 +57,31 @@ class Elastic:
         world = trainer.world_size
         group = dist.new_group(backend="gloo") if world > 1 else None
         member = membership(trainer.rank, world)
-        restarts = _max_over_ranks(member.restart_count, group)
         root = snapshot_root(args.snapshot_dir, member.run_id)
-        continuing = restarts > 0 or args.checkpoint.resume_from is not None
-        if restarts > 0:
+        restarts = _max_over_ranks(member.restart_count, group)
+        rejoined = _max_over_ranks(int(_same_agent(root) and bool(store.inventory(root))), group) > 0
+        _warn_shared_store(trainer.rank)
+        what = "resume"
+        if restarts or rejoined:  # a failure (counted), or a node joined or left (not counted)
+            what = f"elastic restart {restarts}" if restarts else "elastic re-rendezvous"
             trainer.train_args, line = replan(args, world)
             if line:
-                say(trainer.rank, f"elastic restart {restarts}: {line}")
-        if continuing:
-            self._point_resume(trainer, root, member, group, restarts)
+                say(trainer.rank, f"{what}: {line}")
+        resume = args.checkpoint.resume_from
+        asked = args.snapshot_every > 0 and resume is not None and resume.checkpoint == "last"
+        if restarts or rejoined or asked:
+            self._point_resume(trainer, root, member, group, what)
         elif member.is_node_leader:
             store.clear(root)  # a fresh run: snapshots left under this run id are not ours
+        if member.is_node_leader and (agent := agent_id()) is not None:
+            root.mkdir(parents=True, exist_ok=True)
+            store.write_atomic(root / AGENT_FILE, agent.encode())
         if group is not None:
             dist.barrier(group=group)
         self.writer = SnapshotWriter(trainer.train_args.snapshot_every, root, member, group)
         return self
 
-    def _point_resume(self, trainer: Any, root: Any, member: Membership, group: Any, restarts: int) -> None:
+    def _point_resume(self, trainer: Any, root: Any, member: Membership, group: Any, what: str) -> None:
         found = restore.survey(root, member, group)
         step = found.complete_step()
         cfg = trainer.train_args.checkpoint
@@ -86,7 +97,7 @@ class Elastic:
             self.restored = ("in-memory snapshot", step, found.reached)
             say(
                 trainer.rank,
-                f"elastic restart {restarts}: world {old_world} -> {member.world_size} ranks; "
+                f"{what}: world {old_world} -> {member.world_size} ranks; "
                 + (f"lost ranks {lost} (their peer copies survive); " if lost else "no rank's memory lost; ")
                 + f"newest complete snapshot: step {step}",
             )
@@ -97,7 +108,7 @@ class Elastic:
             self.restored = (source, max(disk_step, 0), max(found.reached, disk_step))
             say(
                 trainer.rank,
-                f"elastic restart {restarts}: no complete in-memory snapshot; resuming from {source}",
+                f"{what}: no complete in-memory snapshot; resuming from {source}",
             )
 
     def after_resume(self, trainer: Any) -> None:
@@ -138,6 +149,28 @@ class Elastic:
             dist.barrier(group=w.group)
         if w.member.is_node_leader:
             store.clear(w.root)
+
+
+def _warn_shared_store(rank: int) -> None:
+    """torch's agent-shared TCP store keeps a failed round's keys: the restarted workers' process group
+    then connects to dead addresses. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (read by the agent) avoids it."""
+    restarts_allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0
+    if restarts_allowed and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        say(
+            rank,
+            "warning: torchrun shares its rendezvous store with the workers, and a restarted round can fail "
+            "to connect through it (it keeps the failed round's addresses): launch torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (docs/elastic.md)",
+        )
+
+
+def _same_agent(root: Any) -> bool:
+    """The node's snapshots were written under this worker's agent (before a join or a leave)."""
+    agent = agent_id()
+    try:
+        return agent is not None and (root / AGENT_FILE).read_text() == agent
+    except OSError:
+        return False
 
 
 def _max_over_ranks(value: int, group: Any) -> int:

@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Membership", "membership", "snapshot_root", "SNAPSHOT_DIR_ENV"]
+__all__ = ["Membership", "membership", "snapshot_root", "agent_id", "SNAPSHOT_DIR_ENV"]
 
 SNAPSHOT_DIR_ENV = "NNSCALER_SNAPSHOT_DIR"
 """Overrides the node's snapshot directory (one per node; tests give each simulated node its own)."""
@@ -89,3 +89,18 @@ def snapshot_root(configured: str | None, run_id: str) -> Path:
 def node_key(root: Path) -> str:
     """Names the memory a node's ranks share: host and snapshot directory."""
     return f"{socket.gethostname()}:{root.resolve()}"
+
+
+def agent_id() -> str | None:
+    """The elastic agent this worker runs under (host, the agent's pid and its start time), or None
+    outside torchrun. A node joining or leaving restarts the workers without counting a restart
+    (TORCHELASTIC_RESTART_COUNT stays 0): snapshots written under the same agent tell such a
+    re-rendezvous from a new job."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    ppid = os.getppid()
+    try:
+        started = Path(f"/proc/{ppid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "?"
+    return f"{socket.gethostname()}:{ppid}:{started}"

@@ -34,9 +34,9 @@ logger = logging.getLogger(__name__)
 
 
 def cloned(obj: Any) -> Any:
-    """A copy of `obj` whose tensors are detached clones (the training loop may change the originals)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
+    """A copy of `obj` whose tensors are detached CPU copies (the training loop may change the originals)."""
+    if isinstance(obj, torch.Tensor):  # host memory: a GPU tensor is copied to the CPU here
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: cloned(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
