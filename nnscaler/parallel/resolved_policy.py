@@ -25,7 +25,8 @@ class ResolvedPolicy:
     name: str
     """What logs and generated code call it: the built-in name, the dotted path, or the function's name."""
     fn: Callable
-    """`(graph, compute_config) -> Plan`."""
+    """`(graph, compute_config) -> Plan`, or nnScaler 0.8's `(graph: IRGraph, cfg) -> IRGraph` (make_plan
+    runs it on an IRGraph front and converts what it recorded: nnscaler.policies.policy_api08)."""
     builtin: bool
     """A shipped policy: its code is covered by the nnscaler version (a custom one's source is fingerprinted)."""
     options: PolicyOptions | None

@@ -31,7 +31,8 @@ BUILTIN_POLICIES: dict[str, Policy] = {
 
 
 def resolve_policy(policy: str | Policy) -> tuple[str, Policy]:
-    """A built-in name, a dotted path 'package.module.function', or a callable."""
+    """A built-in name, a dotted path 'package.module.function', or a callable: ours returning a Plan, or
+    nnScaler 0.8's IRGraph policy (make_plan tells them apart: nnscaler.policies.policy_api08)."""
     if callable(policy):
         return getattr(policy, "__name__", "custom"), policy
     if policy in BUILTIN_POLICIES:
