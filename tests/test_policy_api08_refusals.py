@@ -149,6 +149,16 @@ def _two_stages(graph: IRGraph) -> None:
     graph.staging([ops[0], next(n for n in ops if "transformer.h.1" in n.module_stack)])
 
 
+def test_primitives_without_a_plan_equivalent_are_refused(mlp):
+    def fused(graph: IRGraph, cfg) -> IRGraph:
+        graph.fuse(graph.select(name="linear"))
+        return graph
+
+    _refused(mlp, fused, r"graph\.fuse\(\.\.\.\): nnScaler 0\.8's fuse has no equivalent in a Plan")
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        IRGraph(mlp, 2).nonsense  # noqa: B018
+
+
 def test_pipeline_refusals_name_the_call(gpt):
     def no_schedule(graph: IRGraph, cfg) -> IRGraph:
         _two_stages(graph)

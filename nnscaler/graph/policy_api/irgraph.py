@@ -247,5 +247,28 @@ class IRGraph(IRSegment):
         self.record.schedule = self._sched
         return self
 
+    def __getattr__(self, name: str) -> Any:
+        if name in _NO_PLAN_EQUIVALENT:
+            raise PlanError(
+                f"graph.{name}(...): nnScaler 0.8's {name} has no equivalent in a Plan ({_NO_PLAN_EQUIVALENT[name]}); "
+                "the front supports select, nodes, partition, replicate, assign, staging, recompute and sched"
+            )
+        raise AttributeError(f"'IRGraph' object has no attribute {name!r}")
+
     def __repr__(self) -> str:
         return f"IRGraph({len(self._order)} ops, plan_ngpus={self.plan_ngpus})"
+
+
+_NO_PLAN_EQUIVALENT = {
+    "fuse": "ops are split one by one; register a fused op with register_op instead",
+    "sequential": "ops run in traced order",
+    "depends": "ops run in traced order",
+    "group": "stages come from graph.staging",
+    "blocking": "stages come from graph.staging",
+    "reside": "tensors live where the ops that use them run",
+    "finsert": "the traced graph is not edited",
+    "insert": "the traced graph is not edited",
+    "remove": "the traced graph is not edited",
+    "backward": "autograd derives backward",
+    "_bind_schedule": "bind a schedule with cfg.apply_pipeline_scheduler or PredefinedSched",
+}
