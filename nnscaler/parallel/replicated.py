@@ -18,6 +18,7 @@ import torch
 from nnscaler.graph.ir import Graph, Replicate
 from nnscaler.parallel.whole_reasons import Why, node_causes, op_flops, param_cause
 from nnscaler.policies.autodist.cost import local_bytes
+from nnscaler.policies.pipeline_actions import stage_group
 
 __all__ = ["WholeReason", "StageShare", "ReplicatedShare", "replicated_share"]
 
@@ -221,11 +222,12 @@ def replicated_share(graph: Graph, plan, program, cfg=None) -> ReplicatedShare:
     pbytes, fsum = sum(held_total.values()), sum(flops_total.values())
     reasons = _reasons(groups, pbytes, fsum)
     pp = plan.pipeline.pp_size if plan.pipeline else 1
+    scheduler = plan.pipeline.scheduler if plan.pipeline else "1f1b"
     nstages = max(stage_of.values(), default=0) + 1
     per_stage = tuple(
         StageShare(
             s,
-            tuple(range((s % pp) * tp, (s % pp) * tp + tp)),
+            tuple(range(stage_group(scheduler, s, pp) * tp, stage_group(scheduler, s, pp) * tp + tp)),
             held_whole[s] / (held_total[s] or 1),
             flops_whole[s] / (flops_total[s] or 1),
             held_total[s] / (pbytes or 1),
