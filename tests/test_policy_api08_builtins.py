@@ -121,6 +121,17 @@ def megatron_style(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
     return graph
 
 
+def registered_op_style(graph: IRGraph, cfg: ComputeConfig) -> IRGraph:
+    """swin's idiom for its register_op'd ops: select one by its function's name, split its hidden dim."""
+    devs = list(range(cfg.plan_ngpus))
+    (node,) = graph.select(name="swiglu", ntype=IRDimops)
+    split(graph, node, devs, idx=0, dim=-1)
+    for node in graph.select(ntype=IRFwOperation):
+        if not node.device:
+            copies(graph, node, devs)
+    return graph
+
+
 def test_nnscaler08_style_builtin_policies_train_like_single_device(tmp_path):
     hybrid = {"use_end2end": True, "pas_config": {"pipeline_nstages": 2, "pipeline_nmicros": 2}}
     cases = [
@@ -129,6 +140,7 @@ def test_nnscaler08_style_builtin_policies_train_like_single_device(tmp_path):
         ParityCase("mlp", data_style, 2, optimizer="sgd"),
         ParityCase("gpt", hybrid_style, 2, config_kwargs=hybrid, nmicros=2, optimizer="sgd"),
         ParityCase("gpt", megatron_style, 2, optimizer="sgd"),
+        ParityCase("userops", registered_op_style, 2, optimizer="sgd"),
     ]
     results = run_parity_many(cases, 2, tmp_path=tmp_path, steps=2)
     assert len(results) == len(cases)

@@ -145,6 +145,8 @@ class IRFwOperation(IRCell):
         self.cid = cid
         self.piece = piece
         self.pieces = pieces
+        self.is_piece = False
+        """Made by graph.partition / graph.replicate (the traced op itself is not a piece)."""
         self.name = short_op_name(node.op)
         self.signature = node.op
         self.comment: str | None = None

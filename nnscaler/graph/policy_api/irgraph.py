@@ -196,7 +196,7 @@ class IRGraph(IRSegment):
         if not isinstance(node, IRFwOperation) or node not in self._order:
             raise PlanError(f"{call}: {node!r} is not a forward operation of this graph")
         node._device = device
-        if getattr(node, "is_piece", False):
+        if node.is_piece:
             self.record.fates[node.origin].devices[node.piece] = device
         else:
             self.record.fates[node.origin] = NodeFate("whole", [device], call)
