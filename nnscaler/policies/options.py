@@ -220,6 +220,17 @@ class AutodistOptions(PipelineOptions):
     """Policy `autodist`: the searched plan (docs/autodist.md). Pipeline keys constrain the search:
     `pipeline_nstages` 'auto' searches the stage count (pipelines only with use_end2end)."""
 
+    pipeline_scheduler: Literal["1f1b", "gpipe", "1f1b_interleaved", "zb_h1", "zbv", "dualpipev", "auto"] = (
+        field(
+            default="auto",
+            metadata=_doc(
+                "The pipeline schedule. 'auto': every schedule the runtime runs (1F1B, zero-bubble ZB-H1, "
+                "interleaved 1F1B, ZB-V, DualPipeV) is costed on the stage cut and the fastest that fits the "
+                "memory limit is taken; the plan report says why. A name pins it."
+            ),
+        )
+    )
+
     cluster: str | dict | None = field(
         default=None,
         metadata=_doc(

@@ -91,7 +91,7 @@ def test_fixed_stage_count_gives_a_pipeline(zoo_graphs):
 
 def test_search_scores_every_configuration(zoo_graphs):
     graph = zoo_graphs["llama"][0]
-    setup = planner_setup(graph, _e2e(pipeline_nmicros=4))
+    setup = planner_setup(graph, _e2e(pipeline_nmicros=4, pipeline_scheduler="1f1b"))
     best, scored = search(graph, setup)
     labels = {c.label() for c in scored}
     assert {"pp=1 tp=2 nmicros=4", "pp=2 tp=1 nmicros=4", "pp=2 tp=1 nmicros=4, recompute"} <= labels

@@ -52,6 +52,12 @@ class Candidate:
     """Seconds per step of those all-to-alls (not overlapped: included in step_time)."""
     ep_rejected: tuple[tuple[str, str], ...] = ()
     """(configuration, why not taken) for the other expert-parallel degrees (on the winner)."""
+    scheduler: str = "1f1b"
+    """The pipeline schedule (pp > 1): the searched one under pipeline_scheduler 'auto' (schedule_choice.py)."""
+    bubble_share: float = 0.0
+    """Idle share of the step on the slowest device under that schedule (pp > 1)."""
+    schedule_options: tuple = ()
+    """Every schedule costed on this configuration (schedule_choice.ScheduleOption), with why not taken."""
 
     @property
     def time_per_micro(self) -> float:
@@ -63,7 +69,12 @@ class Candidate:
         zero = f", zero{self.zero}" if self.zero else ""
         cp = f" cp={self.cp.size} ({self.cp_label()})" if self.cp else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        return f"pp={self.pp}{cp}{ep} tp={self.tp} nmicros={self.nmicros}{rc}{seed}{zero}"
+        sched = (
+            f" {self.scheduler} x{len(self.starts)} stages"
+            if self.pp > 1 and self.scheduler != "1f1b"
+            else ""
+        )
+        return f"pp={self.pp}{cp}{ep} tp={self.tp} nmicros={self.nmicros}{sched}{rc}{seed}{zero}"
 
     @property
     def cp_size(self) -> int:

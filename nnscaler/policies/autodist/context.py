@@ -56,6 +56,8 @@ class PlannerSetup:
     """Pipeline stages: None searches (1 = no pipeline)."""
     nmicros: int | None = None
     """Micro-batches per step: None searches (1 without a pipeline)."""
+    schedulers: tuple[str, ...] = ("1f1b",)
+    """Pipeline schedules the search costs (schedule_choice.searched_schedules): the fastest that fits wins."""
     batch_scale: float = 1.0
     """Micro-batch size relative to the traced batch (recipes over fewer replicas take bigger batches)."""
     max_tp: int | None = None

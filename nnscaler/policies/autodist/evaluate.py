@@ -84,7 +84,10 @@ def evaluate_nodes(
         graph, setup, ctx, stage_times, syncs, starts, pp, nmicros, bool(recompute), scheduler
     )
     memory = max(stage_memory(params, acts, scheduler, pp, nmicros))
-    return Candidate(pp, tp, nmicros, bool(recompute), step.step, memory, res, starts, stage_times, recompute)
+    cand = Candidate(pp, tp, nmicros, bool(recompute), step.step, memory, res, starts, stage_times, recompute)
+    cand.scheduler = scheduler
+    cand.bubble_share = step.pipeline.bubble / step.step if step.step > 0 else 0.0
+    return cand
 
 
 def evaluate_plan(graph: Graph, setup: PlannerSetup, plan: Plan) -> Candidate:

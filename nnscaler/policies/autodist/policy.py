@@ -18,6 +18,7 @@ from nnscaler.policies.autodist.cp_search import plan_with_cp
 from nnscaler.policies.autodist.ep_search import ep_setup, with_ep
 from nnscaler.policies.autodist.memory import MemoryModel
 from nnscaler.policies.autodist.plan_files import load_plan, save_plan
+from nnscaler.policies.autodist.schedule_choice import searched_schedules
 from nnscaler.policies.autodist.search import search
 from nnscaler.policies.options import AutodistOptions
 from nnscaler.policies.plan import NodePlan, PipelinePlan, Plan
@@ -88,6 +89,7 @@ def planner_setup(
         end2end=cfg.use_end2end,
         nstages=None if opts.pipeline_nstages == "auto" else opts.pipeline_nstages,
         nmicros=opts.pipeline_nmicros,
+        schedulers=searched_schedules(opts.pipeline_scheduler),
         measured=db.entries if db is not None else None,
         step_overhead=db.step_overhead_s if db is not None else 0.0,
         free_op=db.free_op_s if db is not None else 0.0,
@@ -136,9 +138,12 @@ def _profile_db(path: str | None):
     return db
 
 
-def plan_from_candidate(graph: Graph, cand: Candidate, setup: PlannerSetup, scheduler: str = "1f1b") -> Plan:
+def plan_from_candidate(
+    graph: Graph, cand: Candidate, setup: PlannerSetup, scheduler: str | None = None
+) -> Plan:
     """The Plan of a scored configuration (with context parallelism: cp_search.plan_with_cp; with
-    expert parallelism: ep_search.with_ep)."""
+    expert parallelism: ep_search.with_ep); its pipeline runs `scheduler` (default: the candidate's)."""
+    scheduler = scheduler or cand.scheduler
     if cand.ep > 1 or cand.ep_rejected:
         return with_ep(graph, _plan(graph, cand, ep_setup(setup, cand.ep), scheduler), cand)
     return _plan(graph, cand, setup, scheduler)
@@ -187,7 +192,7 @@ def pas_autodist(graph: Graph, cfg: ComputeConfig) -> Plan:
         return replace(plan, policy="autodist")
     setup = planner_setup(graph, cfg, opts)
     best, _ = search(graph, setup)
-    plan = plan_from_candidate(graph, best, setup, opts.pipeline_scheduler)
+    plan = plan_from_candidate(graph, best, setup)
     if opts.save_plan_path:
         save_plan(
             plan,

@@ -19,6 +19,7 @@ from nnscaler.policies.autodist.recipes import standard_recipes
 from nnscaler.policies.autodist.report_cp import cp_report_lines
 from nnscaler.policies.autodist.report_ep import ep_report_lines
 from nnscaler.policies.autodist.report_reasons import why_not_taken
+from nnscaler.policies.autodist.report_schedule import schedule_report_lines
 from nnscaler.policies.autodist.report_words import module_group, module_words, short_op
 from nnscaler.policies.plan import Plan
 from nnscaler.policies.stage_balance import stage_report_lines
@@ -75,6 +76,7 @@ def plan_report(
     lines += cp_report_lines(graph, plan, setup, cand)
     lines += ep_report_lines(graph, plan, setup, cand)
     lines += stage_report_lines(graph, plan)
+    lines += schedule_report_lines(plan, cand, scored)
     lines += list(whole)
     if res is not None and res.stats:
         s = res.stats

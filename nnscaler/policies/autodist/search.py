@@ -5,7 +5,7 @@ from the SPMD search."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from nnscaler.config import ComputeConfig
 from nnscaler.errors import PlanError
@@ -24,6 +24,12 @@ from nnscaler.policies.autodist.evaluate import evaluate_nodes
 from nnscaler.policies.autodist.layers import layer_instances
 from nnscaler.policies.autodist.memo import graph_memo
 from nnscaler.policies.autodist.pipeline_dp import native_available, stage_dp
+from nnscaler.policies.autodist.schedule_choice import (
+    ScheduleOption,
+    pick_schedule,
+    schedule_runs,
+    stage_counts,
+)
 from nnscaler.policies.autodist.spmd import solve_spmd
 from nnscaler.policies.autodist.spmd_problem import MEMORY_ADVICE
 from nnscaler.policies.autodist.step_time import (
@@ -101,7 +107,8 @@ def _pipeline_candidates(
     seg_starts = _segments(graph, instances)
     for pp in divisors(setup.plan_ngpus):
         tp = setup.plan_ngpus // pp
-        if pp == 1 or (setup.nstages is not None and setup.nstages != pp):
+        counts = {k: v for k, v in stage_counts(setup.schedulers, pp).items() if setup.nstages in (None, k)}
+        if pp == 1 or not counts:
             continue
         if pp > len(seg_starts):
             refused.append(
@@ -136,7 +143,7 @@ def _pipeline_candidates(
                 refused.append((f"pp={pp} tp={tp}{' +recompute' if rc else ''}", str(exc)))
                 continue
             scored = _score_pipeline(
-                graph, setup, res, ctx, pp, rc, limit, seg_starts, layer_paths, user_pivots
+                graph, setup, res, ctx, pp, rc, limit, seg_starts, layer_paths, counts, user_pivots
             )
             if not scored:
                 refused.append(
@@ -152,9 +159,10 @@ def _pipeline_candidates(
 
 
 def _score_pipeline(
-    graph, setup, res, ctx, pp, rc, limit, layer_starts, layer_paths, user_pivots=()
+    graph, setup, res, ctx, pp, rc, limit, layer_starts, layer_paths, counts, user_pivots=()
 ) -> list[Candidate]:
-    """Stage boundaries and the whole-step time of one (pp, tp, recompute) for each micro-batch count.
+    """Stage boundaries, schedule and whole-step time of one (pp, tp, recompute) for each micro-batch
+    count: `counts` maps stage counts to the schedules that run them (schedule_choice.py).
     The boundaries come from the balancer the pp/hybrid policies use (stage_balance.choose_stages:
     blocks first, finer places where blocks are too unequal), costed by this plan's node times."""
     tp = ctx.ways
@@ -185,35 +193,103 @@ def _score_pipeline(
 
     whole = tuple(layer_paths if own_rc else setup.recompute or ())  # each checkpointed in one stage
     most = 8 * MAX_CANDIDATES if native_available() else MAX_CANDIDATES  # the C++ loop is ~50x faster
+    inputs = _StageInputs(graph, setup, ctx, res, names, time, act, param, segments_for, whole, most, limit)
     out = []
     for m in [setup.nmicros] if setup.nmicros else [pp, 2 * pp, 4 * pp]:
-        choice = choose_stages(
-            graph,
-            pp,
-            segments_for,
-            user_pivots,
-            whole=whole,
-            nmicros=m,
-            mem_limit=limit,
-            dp=stage_dp,
-            max_candidates=most,
-        )
-        if choice is None:
+        cuts, options = {}, []
+        for nstages, schedules in counts.items():
+            cut = _cut(inputs, user_pivots, nstages, m)
+            if isinstance(cut, str):
+                options += [ScheduleOption(s, 0.0, 0.0, 0.0, nstages, False, cut) for s in schedules]
+                continue
+            cuts[nstages] = cut
+            rc_any = own_rc or bool(setup.recompute)
+            options += [_cost_schedule(graph, setup, ctx, cut, s, pp, m, rc_any, limit) for s in schedules]
+        best, costed = pick_schedule(options)
+        if best is None:
             continue
-        sb = choice.starts + [len(names)]
-        spans = [(sb[s], sb[s + 1]) for s in range(pp)]
-        stage_times = [sum(time[a:b]) for a, b in spans]
-        syncs = [sum(res.node_sync[n] for n in names[a:b]) for a, b in spans]
-        rc_any = own_rc or bool(setup.recompute)
-        step = pipelined_step(graph, setup, ctx, stage_times, syncs, choice.starts, pp, m, rc_any).step
-        mem = max(
-            stage_memory(
-                [sum(param[a:b]) for a, b in spans], [sum(act[a:b]) for a, b in spans], "1f1b", pp, m
-            )
-        )
+        cut = cuts[best.nstages]
         paths = layer_paths if own_rc else setup.recompute
-        out.append(Candidate(pp, tp, m, rc, step, mem, res, choice.starts, stage_times, paths))
+        cand = Candidate(pp, tp, m, rc, best.step, best.memory, res, cut.starts, cut.times, paths)
+        cand.scheduler, cand.bubble_share, cand.schedule_options = best.scheduler, best.bubble_share, costed
+        out.append(cand)
     return out
+
+
+@dataclass(frozen=True)
+class _StageInputs:
+    """What cutting one configuration's nodes into stages reads (per node: time, activations, state)."""
+
+    graph: Graph
+    setup: PlannerSetup
+    ctx: object
+    res: object
+    names: list[str]
+    time: list[float]
+    act: list[float]
+    param: list[float]
+    segments_for: object
+    whole: tuple[str, ...]
+    most: int
+    limit: float
+
+
+def _cut(inputs: _StageInputs, user_pivots: tuple[str, ...], nstages: int, m: int) -> _StageCut | str:
+    """The balanced cut into `nstages` stages with what each costs, or why there is none."""
+    try:
+        choice = choose_stages(
+            inputs.graph,
+            nstages,
+            inputs.segments_for,
+            user_pivots,
+            whole=inputs.whole,
+            nmicros=m,
+            mem_limit=inputs.limit,
+            dp=stage_dp,
+            max_candidates=inputs.most,
+        )
+    except PlanError as exc:
+        return str(exc)
+    if choice is None:
+        return f"no {nstages}-stage cut keeps every stage within {inputs.limit / 1e9:.2f} GB per device"
+    names = inputs.names
+    sb = choice.starts + [len(names)]
+    spans = [(sb[s], sb[s + 1]) for s in range(nstages)]
+    return _StageCut(
+        choice.starts,
+        [sum(inputs.time[a:b]) for a, b in spans],
+        [sum(inputs.res.node_sync[n] for n in names[a:b]) for a, b in spans],
+        [sum(inputs.param[a:b]) for a, b in spans],
+        [sum(inputs.act[a:b]) for a, b in spans],
+    )
+
+
+@dataclass(frozen=True)
+class _StageCut:
+    """One cut of the layers into stages, with what each stage costs."""
+
+    starts: list[int]
+    times: list[float]
+    syncs: list[float]
+    params: list[float]
+    acts: list[float]
+
+
+def _cost_schedule(graph, setup, ctx, stage: _StageCut, scheduler, pp, m, recompute, limit) -> ScheduleOption:
+    """One schedule on one stage cut: its step, memory and bubble, or why it cannot run."""
+    nstages = len(stage.starts)
+    why = schedule_runs(scheduler, nstages, pp, m)
+    if why:
+        return ScheduleOption(scheduler, 0.0, 0.0, 0.0, nstages, False, f"cannot run: {why}")
+    step = pipelined_step(
+        graph, setup, ctx, stage.times, stage.syncs, stage.starts, pp, m, recompute, scheduler
+    )
+    mem = max(stage_memory(stage.params, stage.acts, scheduler, pp, m))
+    share = step.pipeline.bubble / step.step if step.step > 0 else 0.0
+    if mem > limit:
+        why = f"needs {mem / 1e9:.2f} GB on its fullest device, over the limit of {limit / 1e9:.2f} GB"
+        return ScheduleOption(scheduler, step.step, mem, share, nstages, False, why)
+    return ScheduleOption(scheduler, step.step, mem, share, nstages, True)
 
 
 def _megatron_alternatives(graph: Graph, setup: PlannerSetup, scored: list[Candidate]) -> list[Candidate]:
@@ -238,11 +314,12 @@ def _megatron_alternatives(graph: Graph, setup: PlannerSetup, scored: list[Candi
                 starts=c.starts or None,
                 nmicros=c.nmicros,
                 recompute=c.recompute_paths,
+                scheduler=c.scheduler,
             )
         except PlanError:
             continue
         if alt.memory <= setup.mem_limit:
-            alt.origin = "megatron"
+            alt.origin, alt.schedule_options = "megatron", c.schedule_options
             out.append(alt)
     return out
 
@@ -250,7 +327,7 @@ def _megatron_alternatives(graph: Graph, setup: PlannerSetup, scored: list[Candi
 def _check_stage_count(setup: PlannerSetup) -> None:
     """A fixed pipeline_nstages the devices or the compute config cannot give: PlanError saying which."""
     k, n = setup.nstages, setup.plan_ngpus
-    if k > n or n % k:
+    if not any(k in stage_counts(setup.schedulers, pp) for pp in divisors(n) if pp > 1) and (k > n or n % k):
         raise PlanError(
             f"autodist: pas_config['pipeline_nstages']={k} cannot split plan_ngpus={n} devices into stages "
             f"of equal size (each stage runs on plan_ngpus / pipeline_nstages devices): use one of "
