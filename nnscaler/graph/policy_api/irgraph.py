@@ -205,6 +205,7 @@ class IRGraph(IRSegment):
     # ---- staging, recompute, schedule ------------------------------------------------------------
     def staging(self, nodes: Any) -> None:
         """Pipeline stages starting at `nodes` (the first stage also takes every op before it)."""
+        nodes = list(nodes)
         call = f"graph.staging([{', '.join(str(getattr(n, 'origin', n)) for n in nodes)}])"
         if self._starts is not None:
             raise PlanError(f"{call}: the graph is already staged by {self.record.staging_call}")
