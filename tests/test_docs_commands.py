@@ -49,6 +49,10 @@ SHELL = {"bash", "console", "sh", "shell"}
 
 NANOGPT = "run by tests/examples/test_nanogpt.py (4 processes, a few steps, offline data)"
 INSTALL = "installs packages: the test environment is already installed (.ci/run checks a fresh install)"
+ELASTIC = (
+    "several machines (or SLURM) under torchrun's elastic agent; the same launch on one machine (two agents as "
+    "two nodes, c10d rendezvous) is run by tests/cli/test_elastic_drill.py and test_elastic_restarts.py"
+)
 TRAINER = "cfg.yaml is the partial example config above it; the Trainer is run by tests/cli/test_trainer.py"
 
 # command as written -> (command run, regex its stdout+stderr must match)
@@ -107,6 +111,10 @@ NOT_RUN: dict[str, str] = {
     "nnscaler-train -f cfg.yaml --run_mode compile": TRAINER,
     "nnscaler-train merge checkpoints/last model.safetensors": "merges a checkpoint a training run wrote; run by tests/cli/test_checkpoint.py",
     "nnscaler-train merge checkpoints/last merged.ckpt": "merges a checkpoint a training run wrote; run by tests/cli/test_checkpoint.py",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:4 --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint node0:29400 --rdzv-id job42 -m nnscaler.cli.train -f cfg.yaml": ELASTIC,
+    "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1": ELASTIC,
+    'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)': ELASTIC,
+    "srun --ntasks-per-node 1 torchrun --nnodes 1:$SLURM_NNODES --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint $HEAD:29400 --rdzv-id $SLURM_JOB_ID -m nnscaler.cli.train -f cfg.yaml": ELASTIC,
 }
 
 # Whole families of commands, for examples still being written alongside these docs (their READMEs

@@ -173,10 +173,10 @@ class TrainerArgs:
     """Seeds torch, numpy and random on every rank (same model init everywhere) and the samplers."""
     init_env_fn: str | None = None
     """Dotted name of `fn(trainer)` called at setup (after seeding)."""
-    snapshot_every: int = 0
+    snapshot_every: int | None = None
     """Elastic training: copy each rank's training state to host memory (tmpfs) every N optimizer steps,
-    with a peer copy on another node, so a restart under torchrun's elastic agent resumes from it
-    (0: off; see docs/elastic.md)."""
+    with a peer copy on another node, so a restart under torchrun's elastic agent resumes from it (0: off;
+    None: 1 under torchrun with --max-restarts above 0, else off; see docs/elastic.md)."""
     snapshot_dir: str | None = None
     """This node's in-memory snapshot directory (default $NNSCALER_SNAPSHOT_DIR, else
     /dev/shm/nnscaler-snapshots/{user}-{torchrun's --rdzv-id})."""
@@ -201,7 +201,7 @@ class TrainerArgs:
         self.compute_config = agree_micro_batches(
             self.pas_policy, self.compute_config, self.grad_accumulation_steps
         )  # the policy plans the micro-batches train_step is fed
-        if self.snapshot_every < 0:
+        if self.snapshot_every is not None and self.snapshot_every < 0:
             raise ConfigError(f"snapshot_every must be >= 0 (0: no snapshots), got {self.snapshot_every}")
         if self.run_mode not in ("run", "compile"):
             raise ConfigError(f"run_mode must be 'run' or 'compile', got {self.run_mode!r}")

@@ -24,7 +24,7 @@ from nnscaler.cli.elastic.membership import Membership, agent_id, membership, sn
 from nnscaler.cli.elastic.replan import nearest_plan_size, replan
 from nnscaler.cli.elastic.snapshot import SnapshotWriter
 
-__all__ = ["Elastic", "nearest_plan_size", "replan"]
+__all__ = ["Elastic", "nearest_plan_size", "replan", "resolved_snapshot_every"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ class Elastic:
         complete snapshot (else the last disk checkpoint); on a fresh start, clear old snapshots."""
         self = cls()
         args = trainer.train_args
-        if args.compile_mode or not (args.snapshot_every or "TORCHELASTIC_RESTART_COUNT" in os.environ):
+        every = resolved_snapshot_every(args.snapshot_every)
+        if args.compile_mode or not (every or "TORCHELASTIC_RESTART_COUNT" in os.environ):
             return self
         self.active = True
         world = trainer.world_size
@@ -68,7 +69,7 @@ class Elastic:
             if line:
                 say(trainer.rank, f"{what}: {line}")
         resume = args.checkpoint.resume_from
-        asked = args.snapshot_every > 0 and resume is not None and resume.checkpoint == "last"
+        asked = every > 0 and resume is not None and resume.checkpoint == "last"
         if restarts or rejoined or asked:
             self._point_resume(trainer, root, member, group, what)
         elif member.is_node_leader:
@@ -78,7 +79,7 @@ class Elastic:
             store.write_atomic(root / AGENT_FILE, agent.encode())
         if group is not None:
             dist.barrier(group=group)
-        self.writer = SnapshotWriter(trainer.train_args.snapshot_every, root, member, group)
+        self.writer = SnapshotWriter(every, root, member, group)
         return self
 
     def _point_resume(self, trainer: Any, root: Any, member: Membership, group: Any, what: str) -> None:
@@ -149,6 +150,14 @@ class Elastic:
             dist.barrier(group=w.group)
         if w.member.is_node_leader:
             store.clear(w.root)
+
+
+def resolved_snapshot_every(value: int | None) -> int:
+    """TrainerArgs.snapshot_every, with None: every step under torchrun's elastic agent when it may
+    restart the workers (--max-restarts above 0), else never (nothing would restart from them)."""
+    if value is not None:
+        return value
+    return 1 if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0 else 0
 
 
 def _warn_shared_store(rank: int) -> None:

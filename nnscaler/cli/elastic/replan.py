@@ -38,8 +38,8 @@ def replan(args: Any, world: int) -> tuple[Any, str | None]:
         new = type(args).from_dict(data)
     except ConfigError as err:
         raise ConfigError(
-            f"elastic restart on {world} ranks: no plan keeps global_batch_size {args.global_batch_size} "
-            f"(plan_ngpus {plan}): {err}"
+            f"elastic restart on {world} ranks: the config does not fit plan_ngpus {plan} x {world // plan} "
+            f"data-parallel replicas: {err}"
         ) from err
     kept = "kept" if plan == cc.plan_ngpus else f"changed from {cc.plan_ngpus} (it does not divide {world})"
     line = (

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,16 @@ def capture(trainer: Any) -> dict[str, Any]:
     return cloned({**_resume._common(trainer), "model": model_sd, "optimizer": opt_sd})
 
 
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
 class SnapshotWriter:
     """Takes a snapshot every `every` steps (0: never), one at a time, overlapped with the next step."""
 
@@ -69,8 +80,10 @@ class SnapshotWriter:
         if not self.every or step % self.every:
             return
         self.wait()  # one snapshot in flight at a time
-        store.step_dir(self.root, step).mkdir(parents=True, exist_ok=True)  # marks the step reached
         payload = capture(trainer)
+        if self.committed < 0 and not self._fits(payload):
+            return
+        store.step_dir(self.root, step).mkdir(parents=True, exist_ok=True)  # marks the step reached
         meta = {
             "step": step,
             "epoch": trainer.train_status["next_epoch"],
@@ -83,6 +96,33 @@ class SnapshotWriter:
             target=self._write, args=(step, payload, meta), name=f"nnscaler-snapshot-{step}", daemon=True
         )
         self._thread.start()
+
+    def kept_bytes(self, one: int) -> int:
+        """The most the node keeps for snapshots of `one` bytes a rank: own and peer copies, of the
+        newest complete step and the one being written, for every rank of the node."""
+        copies = 2 if self.member.peer is not None else 1
+        return one * copies * 2 * self.member.local_world_size
+
+    def _fits(self, payload: dict[str, Any]) -> bool:
+        """Before the first snapshot: the node's snapshots must fit in half the free space of the
+        snapshot directory's file system (tmpfs: host memory); else snapshots are turned off."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        need = self.kept_bytes(_tensor_bytes(payload))
+        free = shutil.disk_usage(self.root).free
+        fits = torch.tensor([int(need <= free // 2)])
+        if self.group is not None:  # no snapshot thread runs now: the side group is free
+            dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.group)
+        if int(fits):
+            return True
+        self.every = 0
+        logger.warning(
+            "in-memory snapshots turned off on every rank: they would keep %.1f GB on this node (or another "
+            "node's) but %s has %.1f GB free (give snapshot_dir a larger file system, or snapshot_every 0)",
+            need / 1e9,
+            self.root,
+            free / 1e9,
+        )
+        return False
 
     def wait(self) -> None:
         """Until the snapshot in flight is stored (its failure is logged once, not raised: training goes on)."""
