@@ -8,6 +8,8 @@ from pathlib import Path
 
 from nnscaler import ComputeConfig, parallelize
 from nnscaler.graph import IRGraph
+from nnscaler.graph.capture import capture
+from nnscaler.graph.function.dimops import IRDimops
 from nnscaler.graph.ir import Graph
 from nnscaler.graph.schedule.predefined import PredefinedSched
 from nnscaler.graph.segment import IRSegment
@@ -158,3 +160,26 @@ def test_each_primitive_trains_like_single_device_and_generates_the_plans_code(t
         if primitive == "partition":
             assert any("comm.gather_from_group" in ln for ln in theirs["gencode0.py"])
     assert not differ, f"0.8-style policies whose generated code differs from the same Plan's: {differ}"
+
+
+def test_select_and_nodes_follow_the_transforms_like_nnscaler():
+    model, make_batch = zoo.build("gpt")
+    front = IRGraph(capture(model, make_batch(1, 4)), 2)
+    linears = front.select(name="linear", ntype=IRFwOperation)
+    assert [n.origin for n in linears[:2]] == ["linear", "linear_1"] and front.select(
+        ntype=IRDataOperation
+    ) == []
+    assert isinstance(linears[0], IRDimops) and linears[0].input(1).parent.is_param()
+    assert (1, 0) in linears[0].transform_space() and linears[0].algorithm("dim").satisfy(idx=1, dim=0, num=2)
+    front.staging([front.select(ntype=IRFwOperation)[0], _block_start(front, "transformer.h.1")])
+    stages = front.nodes()
+    assert all(isinstance(s, IRSegment) for s in stages) and len(stages) == 2
+    assert front.segment(linears[0]) is stages[0] and len(front.nodes(flatten=True)) == len(
+        front.traced.nodes
+    )
+    pieces = front.partition(linears[0], linears[0].algorithm("dim"), idx=1, dim=0, num=2)
+    selected = front.select(name="linear")
+    assert selected[:2] == pieces and linears[0] not in selected and not front.exist(linears[0])
+    assert stages[0].nodes()[: len(stages[0].nodes())].count(pieces[0]) == 1 and pieces[1].device == ()
+    front.assign(pieces[1], 1)
+    assert pieces[1].device == (1,) and front.record.fates["linear"].devices == [None, 1]
