@@ -60,8 +60,9 @@ def add_llama_args(parser: argparse.ArgumentParser, layers: int = 10) -> None:
 
 class LlamaLM(nn.Module):
     """transformers' LlamaForCausalLM with the loss written out: mean cross entropy of the logits
-    against already-shifted labels. Positions are passed explicitly so that torch's sequence
-    parallelism (which hands the model sequence shards) sees the whole sequence's positions."""
+    against already-shifted labels. Positions are passed to the Llama explicitly so that torch's
+    sequence parallelism (which hands the model sequence shards) sees the whole sequence's positions;
+    `position_ids` (default: 0..S-1) lets torch's context parallelism pass each rank's positions."""
 
     def __init__(self, config: Any):
         super().__init__()
@@ -69,8 +70,12 @@ class LlamaLM(nn.Module):
 
         self.lm = LlamaForCausalLM(config)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        positions = position_ids
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         logits = self.lm(input_ids=input_ids, position_ids=positions).logits
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 

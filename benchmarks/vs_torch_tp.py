@@ -125,6 +125,7 @@ def torch_step(args: argparse.Namespace, world: int, sequence_parallel: bool) ->
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
         return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
 
     return step, n
@@ -146,7 +147,7 @@ def ours_step(args: argparse.Namespace, world: int, gen: str) -> tuple[Any, int]
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return step, n
 
