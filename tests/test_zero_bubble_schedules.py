@@ -155,7 +155,7 @@ def test_train_step_splits_the_backward():
     assert "backward_weights" not in plain and "reduce_stage" not in plain
 
 
-def test_pp_policy_builds_a_v_for_zbv():
+def test_pp_and_hybrid_policies_build_a_v_for_zbv():
     model, make_batch = zoo.build("gpt_deep")
     graph = capture(model, make_batch(1, 2))
     for scheduler, nstages in (("zbv", 4), ("dualpipev", 4), ("zb_h1", 2)):
@@ -163,8 +163,9 @@ def test_pp_policy_builds_a_v_for_zbv():
             2, 2, use_end2end=True, pas_config={"pipeline_nmicros": 4, "pipeline_scheduler": scheduler}
         )
         plan = make_plan(graph, "pp", cfg)
-        assert (plan.pipeline.scheduler, plan.pipeline.nstages, plan.pipeline.pp_size) == (
-            scheduler,
-            nstages,
-            2,
-        )
+        pipe = plan.pipeline
+        assert (pipe.scheduler, pipe.nstages, pipe.pp_size) == (scheduler, nstages, 2)
+    # hybrid: two stages per device group by default for the V shapes (tp 2 inside each stage here)
+    pas = {"pipeline_nmicros": 4, "pipeline_scheduler": "zbv", "pp_size": 2}
+    plan = make_plan(graph, "hybrid", ComputeConfig(4, 4, use_end2end=True, pas_config=pas))
+    assert (plan.pipeline.nstages, plan.pipeline.pp_size) == (4, 2)

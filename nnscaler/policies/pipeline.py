@@ -172,8 +172,9 @@ def pas_hybrid(graph: Graph, cfg: ComputeConfig) -> Plan:
     opts = HybridOptions.from_pas_config(cfg.pas_config, strict=False)
     cp = context_parallel_of(opts)
     cp_size = cp.size if cp else opts.ep_size  # the devices a stage's tp plan is multiplied by
-    nstages = _nstages(opts) or cfg.plan_ngpus // cp_size
-    pp_size = opts.pp_size or nstages
+    per_group = 2 if opts.pipeline_scheduler in V_SHAPED else 1  # zbv / dualpipev: two stages per group
+    nstages = _nstages(opts) or (opts.pp_size or cfg.plan_ngpus // cp_size) * per_group
+    pp_size = opts.pp_size or nstages // per_group
     if cfg.plan_ngpus % pp_size or nstages % pp_size:
         raise PlanError(
             f"policy 'hybrid': pp_size ({pp_size}) must divide plan_ngpus ({cfg.plan_ngpus}) and "
