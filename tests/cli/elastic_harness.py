@@ -46,6 +46,7 @@ class DrillHook(TrainHook):
         record.update({k: v for k, v in metrics.items() if k.startswith("elastic/")})
         with open(_out() / f"losses-{node}-{trainer.rank}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
+        time.sleep(float(os.environ.get("DRILL_STEP_SLEEP") or 0))  # longer steps, for the kill drills
         marker = _out() / f"frozen-{node}-{trainer.rank}"
         victims = os.environ.get("DRILL_KILL_NODE", "").split(",")
         if node in victims and step == int(os.environ["DRILL_KILL_STEP"]) and not marker.exists():
@@ -72,7 +73,14 @@ def _out() -> Path:
 
 
 def start_agent(
-    node: str, port: int, out: Path, argv: list[str], *, nnodes: str = "1:2", env: dict | None = None
+    node: str,
+    port: int,
+    out: Path,
+    argv: list[str],
+    *,
+    nnodes: str = "1:2",
+    env: dict | None = None,
+    max_restarts: int = 3,
 ) -> subprocess.Popen:
     """One simulated node: a torchrun elastic agent with 2 workers, in a session of its own."""
     cmd = [
@@ -85,7 +93,7 @@ def start_agent(
         f"--rdzv-endpoint=localhost:{port}",
         "--rdzv-id=drill",
         "--rdzv-conf=last_call_timeout=4,join_timeout=120",
-        "--max-restarts=3",
+        f"--max-restarts={max_restarts}",
         "--monitor-interval=0.2",
         "-m",
         "tests.cli.elastic_harness",
@@ -103,7 +111,7 @@ def start_agent(
         # group would connect to the dead round's addresses (docs/elastic.md)
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
     }
-    log = open(out / f"agent-{node}.log", "w")
+    log = open(out / f"agent-{node}.log", "a")
     return subprocess.Popen(
         cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
@@ -130,7 +138,7 @@ def kill_node(node: str, agent: subprocess.Popen, out: Path) -> None:
 
 
 def agent_logs(out: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-6000:]}" for p in sorted(out.glob("agent-*.log")))
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-20000:]}" for p in sorted(out.glob("agent-*.log")))
 
 
 def losses(out: Path, node: str, rank: int = 0) -> list[dict[str, Any]]:

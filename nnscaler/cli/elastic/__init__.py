@@ -52,7 +52,7 @@ class Elastic:
         self = cls()
         args = trainer.train_args
         every = resolved_snapshot_every(args.snapshot_every)
-        if args.compile_mode or not (every or "TORCHELASTIC_RESTART_COUNT" in os.environ):
+        if args.compile_mode or not (every or _max_restarts() > 0):  # nothing will restart from here
             return self
         self.active = True
         world = trainer.world_size
@@ -157,14 +157,18 @@ def resolved_snapshot_every(value: int | None) -> int:
     restart the workers (--max-restarts above 0), else never (nothing would restart from them)."""
     if value is not None:
         return value
-    return 1 if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0 else 0
+    return 1 if _max_restarts() > 0 else 0
+
+
+def _max_restarts() -> int:
+    """torchrun's --max-restarts (0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
 
 
 def _warn_shared_store(rank: int) -> None:
     """torch's agent-shared TCP store keeps a failed round's keys: the restarted workers' process group
     then connects to dead addresses. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (read by the agent) avoids it."""
-    restarts_allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0
-    if restarts_allowed and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if _max_restarts() > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         say(
             rank,
             "warning: torchrun shares its rendezvous store with the workers, and a restarted round can fail "
