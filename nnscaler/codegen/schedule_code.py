@@ -22,7 +22,8 @@ def _forward_lines(a: Action, nstages: int, rank_of: Callable[[int], int], keep:
     else:
         lines.append(f"{out} = model.stage{s}(x[{m}])")
     if s + 1 < nstages:
-        lines.append(f"pipe.send_forward({out}, {s}, {m}, dst={rank_of(s + 1)})  # to stage {s + 1}")
+        here = " (on this rank: handed over in memory)" if rank_of(s + 1) == rank_of(s) else ""
+        lines.append(f"pipe.send_forward({out}, {s}, {m}, dst={rank_of(s + 1)})  # to stage {s + 1}{here}")
     else:
         lines.append(f"pipe.loss({out}, {m})")
     return lines
@@ -50,6 +51,7 @@ def _backward_lines(
     if s > 0:
         lines.append(
             f"pipe.send_backward(a.pop(({s}, {m})), {s}, {m}, dst={rank_of(s - 1)})  # to stage {s - 1}"
+            + (" (on this rank: handed over in memory)" if rank_of(s - 1) == rank_of(s) else "")
         )
     return lines
 
