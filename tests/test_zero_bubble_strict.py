@@ -1,8 +1,7 @@
 """Zero-bubble schedules in the NCCL-like strict P2P mode on gloo (NNSCALER_STRICT_P2P=1: every send
 synchronous, every message's position in its rank pair checked): zb_h1, zbv and dualpipev run their
 generated P2P order (in a V, the hand-over between a rank's two stages stays in memory) and keep
-parity. A misordered P2P program is caught by the plan-time model (test_zero_bubble_schedules.py)
-and, at run time, by strict mode (test_pipeline_strict.py)."""
+parity. A misordered one is caught (test_zero_bubble_strict_order.py, test_zero_bubble_schedules.py)."""
 
 from __future__ import annotations
 
