@@ -4,6 +4,8 @@ flight, and the transient working sets (transients.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,3 +173,5 @@ def test_experts_backward_reruns_its_forward():
     t, k, h, i = 4 * 16, 2, 64, 128  # tests/zoo.py build_mixtral: batch 4 x 16 tokens, top-2 of 4 experts
     ctx = CostContext(load_cluster("cpu_gloo"))
     assert moe_rerun_bytes(graph, ctx) == t * k * (2 * h + 4 * i) * F32
+    # over 2 tensor-parallel devices the intermediate size splits, the h-wide rows stay whole
+    assert moe_rerun_bytes(graph, replace(ctx, ways=2)) == t * k * (2 * h + 4 * i / 2) * F32

@@ -21,7 +21,11 @@ ZeRO-3 rows read 1.16-1.22, with 1 within 1.05 of the measured peak)."""
 def moe_rerun_bytes(graph: Graph, ctx: CostContext) -> float:
     """Bytes per device of the largest experts op's backward: its forward again under autograd, which
     saves per routed row (tokens x top-k) the gathered hidden state and the down projection's output
-    (h each), the gate/up output (2i), the activation and the gated product (i each): rows (2h + 4i)."""
+    (h each), the gate/up output (2i), the activation and the gated product (i each): rows (2h + 4i).
+    Over tensor-parallel devices the experts' intermediate size is what splits (the tp layout of expert
+    MLPs: gate/up by columns, down by rows), so the h-wide rows stay whole on every device: rows
+    (2h + 4i / ways) (measured on the zoo's Mixtral at tp 2: the gathered (rows, h) input and the
+    down projection's (rows, h) partial sums at full width beside (rows, i/2) intermediates)."""
     if not ctx.training:
         return 0.0
     best = 0.0
@@ -34,8 +38,8 @@ def moe_rerun_bytes(graph: Graph, ctx: CostContext) -> float:
         hidden, index, down = (graph.values[refs[i]].meta for i in (0, 1, 4))
         h, i = down.shape[1], down.shape[2]
         rows = index.numel * ctx.value_scale(graph, refs[0])
-        best = max(best, rows * (2 * h + 4 * i) * ctx.elem_bytes(hidden.dtype))
-    return best / max(ctx.ways, 1)
+        best = max(best, rows * (2 * h + 4 * i / max(ctx.ways, 1)) * ctx.elem_bytes(hidden.dtype))
+    return best
 
 
 def zero3_block_bytes(graph: Graph, ctx: CostContext) -> float:
