@@ -174,7 +174,12 @@ class PipelineStep:
 
     def _recv(self, specs: Sequence[TensorSpec], src: int, stage: int, backward: bool, micro: int) -> list:
         key = (stage, backward, micro)
-        if src == self._rank and key in self._local:
+        if src == self._rank:  # from a stage on this rank, which must have run already
+            if key not in self._local:
+                raise RuntimeError(
+                    f"{Label('B' if backward else 'F', stage, micro, 0)} comes from a stage on this rank that has "
+                    "not sent it yet: the schedule runs them in the wrong order"
+                )
             return self._local.pop(key)
         if key not in self._posted:
             self._post(specs, src, stage, backward, micro)
