@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from nnscaler.graph.ops.annotation import parse_annotation
+from nnscaler.graph.ir import iter_refs
+from nnscaler.graph.ops.annotation import OpAnno, parse_annotation
 from nnscaler.graph.ops.registry import OpRule, register_rule
 
 __all__ = ["register_op", "op_module", "autograd_op_name", "is_autograd_op"]
@@ -101,6 +102,27 @@ def _with_return_type(fn: Callable, n_outputs: int) -> tuple[Callable, str | Non
     return checked, schema
 
 
+def _unaliased(fn: Callable) -> Callable:
+    """`fn` with every output that is an input (or a view of one) cloned: a custom op may not return
+    its inputs, and nnScaler 0.8's ops do (swin's `drop_path` returns `x` when its rate is 0)."""
+
+    def aliases(out: Any, inputs: list[torch.Tensor]) -> bool:
+        base = getattr(out, "_base", None)
+        return any(out is i or (base is not None and (base is i or base is i._base)) for i in inputs)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        fix = [
+            o.clone() if isinstance(o, torch.Tensor) and aliases(o, inputs) else o
+            for o in (out if isinstance(out, tuple) else (out,))
+        ]
+        return tuple(fix) if isinstance(out, tuple) else fix[0]
+
+    return call
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         inner = ", ".join(type(v).__name__ for v in value)
@@ -116,6 +138,7 @@ def _wrap_function(fn: Callable, name: str, n_outputs: int = 1) -> Any:
             "define it in an importable module"
         )
     impl, schema = _with_return_type(fn, n_outputs)
+    impl = _unaliased(impl)
     op = torch.library.custom_op(f"{_NAMESPACE}::{name}", mutates_args=(), schema=schema)(impl)
     op.register_fake(impl)
 
@@ -123,8 +146,11 @@ def _wrap_function(fn: Callable, name: str, n_outputs: int = 1) -> Any:
         ctx.inputs = inputs
 
     def backward(ctx, *grads):
-        tensors = [i for i in ctx.inputs if isinstance(i, torch.Tensor)]
-        positions = [k for k, i in enumerate(ctx.inputs) if isinstance(i, torch.Tensor)]
+        # integer tensors (swin's relative_position_index) carry no gradient: constants of the vjp
+        positions = [
+            k for k, i in enumerate(ctx.inputs) if isinstance(i, torch.Tensor) and i.dtype.is_floating_point
+        ]
+        tensors = [ctx.inputs[k] for k in positions]
 
         def call(*ts):
             args = list(ctx.inputs)
@@ -142,6 +168,55 @@ def _wrap_function(fn: Callable, name: str, n_outputs: int = 1) -> Any:
 
     op.register_autograd(backward, setup_context=setup_context)
     return op
+
+
+def _param_names(op: Any) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(op).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def _user_annotation(annotation: str, call: Any, params: tuple[str, ...]) -> tuple[str, dict[str, int]]:
+    """The annotation fitted to this call's tensors, and the sizes nnScaler 0.8 reads from integer
+    arguments named like an identifier (swin's `window_attn(..., h: int, ...)` sizes `(h+ dh^ 3)`)."""
+    text = _fit_optional_inputs(annotation, call)
+    idents = set(parse_annotation(text).identifiers())
+    named = {**dict(zip(params, call.args)), **dict(call.kwargs)}
+    sizes = {k: v for k, v in named.items() if k in idents and isinstance(v, int) and not isinstance(v, bool)}
+    return text, sizes
+
+
+def _identifier_args(params: tuple[str, ...]) -> Callable:
+    """Local code's arguments: an integer argument named like a split identifier is divided by its
+    pieces, as nnScaler 0.8 does (swin's `h` heads: each of 2 devices computes h // 2 heads)."""
+
+    def local(args: tuple, kwargs: dict[str, Any], splits: dict[str, int]) -> tuple[tuple, dict[str, Any]]:
+        def part(name: str, value: Any) -> Any:
+            if name in splits and isinstance(value, int) and not isinstance(value, bool):
+                return value // splits[name]
+            return value
+
+        named = [part(p, a) for p, a in zip(params, args)]
+        return (*named, *args[len(named) :]), {k: part(k, v) for k, v in kwargs.items()}
+
+    return local
+
+
+def _fit_optional_inputs(annotation: str, call: Any) -> str:
+    """nnScaler 0.8 writes one annotation input per positional argument, with '?' for an argument that
+    may be a non-tensor (swin's `mask: Optional[Tensor]`); our annotations list tensor inputs only, so a
+    '?' whose argument is not a graph value at this call (None, a number) is left out."""
+    anno = parse_annotation(annotation)
+    if len(anno.inputs) <= len(call.inputs):
+        return annotation
+    args = list(call.args) + list(call.kwargs.values())
+    kept = [
+        t
+        for k, t in enumerate(anno.inputs)
+        if t.dims is not None or (k < len(args) and any(True for _ in iter_refs(args[k])))
+    ]
+    return str(OpAnno(tuple(kept), anno.outputs))
 
 
 def register_op(
@@ -202,7 +277,15 @@ def register_op(
             module = op.__module__
             target = _wrap_function(op, name or op.__name__, n_outputs)
             op_name = f"{_NAMESPACE}.{name or op.__name__}.default"
-        register_rule(OpRule(op_name, lambda call, _t=annotation: _t, family))
+        params = _param_names(op)
+        register_rule(
+            OpRule(
+                op_name,
+                lambda call, _t=annotation: _user_annotation(_t, call, params),
+                family,
+                local_args=_identifier_args(params) if params else None,
+            )
+        )
         if emit_fn is not None:
             _EMITTERS[op_name] = emit_fn
         else:
