@@ -60,7 +60,7 @@ def _wait(cond, what: str, timeout: float, agents: list, tmp: Path) -> float:
 
 
 def _one_kill(tmp: Path, a, b, rng: random.Random, step_sleep: float) -> tuple[dict[str, Any], Any]:
-    n_before = len(_records(tmp))
+    n_before = len(_records(tmp))  # every rank appends one record a step: 8 more are two steps of 4 ranks
     _wait(lambda: len(_records(tmp)) >= n_before + 8, "two steps on both nodes", 300, [a, b], tmp)
     time.sleep(rng.uniform(0, step_sleep))  # somewhere in a step
     last = max(r["step"] for r in node_records(tmp, "a"))
@@ -80,9 +80,13 @@ def _one_kill(tmp: Path, a, b, rng: random.Random, step_sleep: float) -> tuple[d
         "b", port, tmp, _argv(tmp, "b", 10**6), env={"DRILL_STEP_SLEEP": str(step_sleep)}, max_restarts=100
     )
     joined_at = time.monotonic()
-    n_join = len(_records(tmp))
+    before_join = {r["pid"] for r in _records(tmp)}
     rejoined = _wait(
-        lambda: any(r["world"] == 4 for r in _records(tmp)[n_join:]), "a step on both nodes", 300, [a, b], tmp
+        lambda: any(r["world"] == 4 and r["pid"] not in before_join for r in _records(tmp)),
+        "a step on both nodes",
+        300,
+        [a, b],
+        tmp,
     )
     return {
         "killed_after_step": last,

@@ -68,6 +68,8 @@ class Elastic:
             trainer.train_args, line = replan(args, world)
             if line:
                 say(trainer.rank, f"{what}: {line}")
+            if trainer.train_args.gen_reuse == "match":  # an earlier round may have generated another world's
+                trainer.train_args.gen_reuse = "moo"
         resume = args.checkpoint.resume_from
         asked = every > 0 and resume is not None and resume.checkpoint == "last"
         if restarts or rejoined or asked:
