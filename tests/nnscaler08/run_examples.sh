@@ -12,7 +12,8 @@
 # Rows: nanoGPT's train_cli.py with its YAML (plan 1, plan 2), its Lightning train_nnscaler.py,
 # llama3_demo on 2 ranks then resumed, vit_cli with its YAML, huggingface_nlp/compile_hf.py on a tiny
 # Llama, vision/swin/train.py with its gallery policies (these last two use nnScaler 0.8's policy API).
-# Packages the examples import that this environment lacks (datasets and its dependencies) are
+# Packages the examples import that this environment lacks (datasets and its dependencies, swin's
+# more-itertools) are
 # installed beside it, under WORKDIR/site (needs the network once). Clones from GitHub unless
 # NNSCALER08_SRC / NANOGPT_SRC name local git copies of microsoft/nnscaler / karpathy/nanoGPT. Usage:
 #   [NNSCALER08_SRC=...] [NANOGPT_SRC=...] tests/nnscaler08/run_examples.sh [WORKDIR] [--only PREFIX,...]
@@ -32,9 +33,9 @@ if [ ! -d "$UP" ]; then
     || git clone --quiet "$SRC" "$UP"
 fi
 SITE="$WORK/site"
-if ! PYTHONPATH="$SITE" "$PY" -c "import datasets" 2>/dev/null; then
+if ! PYTHONPATH="$SITE" "$PY" -c "import datasets, more_itertools" 2>/dev/null; then
   "$PY" -m pip install --quiet --target "$SITE" --no-deps \
-    datasets pyarrow pandas dill multiprocess python-dateutil pytz tzdata six xxhash
+    datasets pyarrow pandas dill multiprocess python-dateutil pytz tzdata six xxhash more-itertools
 fi
 exec "$PY" "$HERE/examples/run.py" --upstream "$UP" --nanogpt "$NANOGPT" --work "$WORK" \
   --pythonpath "$SITE" "$@"
