@@ -63,6 +63,13 @@ def _positive_int(raw: str) -> int:
     return value
 
 
+def _count(raw: str) -> int:
+    value = _number(raw, int)
+    if value < 0:
+        raise ValueError("negative (a count is 0 or more)")
+    return value
+
+
 def _rank(raw: str) -> int:
     value = _number(raw, int)
     if value < 0:
@@ -220,6 +227,32 @@ _VARS = [
         _flag,
         "1 or 0",
         "torch's NCCL timing switch; the timeline turns it on when it is unset.",
+    ),
+    # elastic training (nnscaler.cli.elastic; docs/elastic.md)
+    EnvVar(
+        "NNSCALER_SNAPSHOT_DIR",
+        _text,
+        "a directory, on tmpfs for host memory, e.g. /dev/shm/snapshots",
+        "This node's in-memory snapshot directory when TrainerArgs.snapshot_dir is not set.",
+    ),
+    EnvVar(
+        "TORCHELASTIC_RESTART_COUNT",
+        _count,
+        "a count >= 0 (torchrun's elastic agent sets it)",
+        "How many times the agent restarted the workers after a failure.",
+    ),
+    EnvVar(
+        "TORCHELASTIC_MAX_RESTARTS",
+        _count,
+        "a count >= 0 (torchrun's --max-restarts)",
+        "How many restarts the agent allows; above 0 turns in-memory snapshots on by default.",
+    ),
+    EnvVar("TORCHELASTIC_RUN_ID", _text, "torchrun's --rdzv-id", "Names the run's snapshot directory."),
+    EnvVar(
+        "TORCHELASTIC_USE_AGENT_STORE",
+        _flag,
+        "True or False (torchrun sets it)",
+        "The workers share the agent's rendezvous store (a restarted round may then fail to connect).",
     ),
 ]
 REGISTRY: dict[str, EnvVar] = {v.name: v for v in _VARS}

@@ -179,7 +179,7 @@ class TrainerArgs:
     None: 1 under torchrun with --max-restarts above 0, else off; see docs/elastic.md)."""
     snapshot_dir: str | None = None
     """This node's in-memory snapshot directory (default $NNSCALER_SNAPSHOT_DIR, else
-    /dev/shm/nnscaler-snapshots/{user}-{torchrun's --rdzv-id})."""
+    /dev/shm/nnscaler-snapshots/uid{uid}-{torchrun's --rdzv-id})."""
 
     def __post_init__(self) -> None:
         if self.init_module is not None:

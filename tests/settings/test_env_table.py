@@ -56,10 +56,15 @@ INVALID: dict[str, list[str]] = {
     "WORLD_SIZE": ["0", "-2", "two"],
     "LOCAL_WORLD_SIZE": ["0", "many"],
     "TORCH_NCCL_ENABLE_TIMING": _FLAG_BAD,
+    "TORCHELASTIC_RESTART_COUNT": ["-1", "once"],
+    "TORCHELASTIC_MAX_RESTARTS": ["-3", "3.5"],
+    "TORCHELASTIC_USE_AGENT_STORE": _FLAG_BAD,
 }
 ACCEPTED_ANY: dict[str, str] = {
     "NNSCALER_TIMELINE": "a file path: any non-empty text names a file (its directory is created at write)",
     "CUDA_VISIBLE_DEVICES": "only quoted in an error message; CUDA itself interprets it",
+    "NNSCALER_SNAPSHOT_DIR": "a directory path: created at the first snapshot",
+    "TORCHELASTIC_RUN_ID": "torchrun's --rdzv-id: any text names the run",
 }
 VALID: dict[str, tuple[str, object]] = {
     "NNSCALER_TIMEOUT": ("7.5", 7.5),

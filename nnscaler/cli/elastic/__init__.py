@@ -10,12 +10,12 @@ The Trainer calls `Elastic.prepare` once the process group exists (before compil
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from nnscaler import env_vars
 from nnscaler.cli.checkpoint import checkpoint_info
 from nnscaler.cli.configs import ResumeOptions
 from nnscaler.cli.console import say
@@ -164,13 +164,13 @@ def resolved_snapshot_every(value: int | None) -> int:
 
 def _max_restarts() -> int:
     """torchrun's --max-restarts (0 outside torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+    return env_vars.read("TORCHELASTIC_MAX_RESTARTS") or 0
 
 
 def _warn_shared_store(rank: int) -> None:
     """torch's agent-shared TCP store keeps a failed round's keys: the restarted workers' process group
     then connects to dead addresses. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (read by the agent) avoids it."""
-    if _max_restarts() > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if _max_restarts() > 0 and env_vars.read("TORCHELASTIC_USE_AGENT_STORE"):
         say(
             rank,
             "warning: torchrun shares its rendezvous store with the workers, and a restarted round can fail "

@@ -13,6 +13,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from nnscaler import env_vars
+
 __all__ = ["Membership", "membership", "snapshot_root", "agent_id", "SNAPSHOT_DIR_ENV"]
 
 SNAPSHOT_DIR_ENV = "NNSCALER_SNAPSHOT_DIR"
@@ -20,11 +22,6 @@ SNAPSHOT_DIR_ENV = "NNSCALER_SNAPSHOT_DIR"
 
 DEFAULT_PARENT = "/dev/shm/nnscaler-snapshots"
 """tmpfs: host memory that the node keeps after a worker process dies (until reboot or deletion)."""
-
-
-def _int_env(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default
 
 
 @dataclass(frozen=True)
@@ -64,26 +61,25 @@ class Membership:
 
 def membership(rank: int, world_size: int) -> Membership:
     """This process's membership from torchrun's environment (plain values without torchrun)."""
-    lws = _int_env("LOCAL_WORLD_SIZE", world_size)
+    lws = env_vars.read("LOCAL_WORLD_SIZE") or world_size
     if lws < 1 or world_size % lws:
         lws = world_size  # uneven nodes: treat the world as one node (no peer copies)
     return Membership(
         rank=rank,
         world_size=world_size,
         local_world_size=lws,
-        restart_count=_int_env("TORCHELASTIC_RESTART_COUNT", 0),
-        run_id=os.environ.get("TORCHELASTIC_RUN_ID") or "run",
+        restart_count=env_vars.read("TORCHELASTIC_RESTART_COUNT") or 0,
+        run_id=env_vars.read("TORCHELASTIC_RUN_ID") or "run",
     )
 
 
 def snapshot_root(configured: str | None, run_id: str) -> Path:
     """The node's snapshot directory: TrainerArgs.snapshot_dir, else $NNSCALER_SNAPSHOT_DIR, else
-    /dev/shm/nnscaler-snapshots/{user}-{run id} (a run id is torchrun's --rdzv-id)."""
-    chosen = configured or os.environ.get(SNAPSHOT_DIR_ENV)
+    /dev/shm/nnscaler-snapshots/uid{uid}-{run id} (a run id is torchrun's --rdzv-id)."""
+    chosen = configured or env_vars.read(SNAPSHOT_DIR_ENV)
     if chosen:
         return Path(chosen)
-    user = os.environ.get("USER") or str(os.getuid())
-    return Path(DEFAULT_PARENT) / f"{user}-{run_id}"
+    return Path(DEFAULT_PARENT) / f"uid{os.getuid()}-{run_id}"
 
 
 def node_key(root: Path) -> str:
@@ -96,7 +92,7 @@ def agent_id() -> str | None:
     outside torchrun. A node joining or leaving restarts the workers without counting a restart
     (TORCHELASTIC_RESTART_COUNT stays 0): snapshots written under the same agent tell such a
     re-rendezvous from a new job."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    if env_vars.read("TORCHELASTIC_RUN_ID") is None:
         return None
     ppid = os.getppid()
     try:
