@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,8 @@ def _name_ok(where: str, value: Any) -> None:
 def _dir_ok(where: str, value: Any, *, required: bool = True) -> None:
     if value is None:
         return
+    if isinstance(value, os.PathLike):  # a pathlib.Path, as nnScaler 0.8's tests give
+        value = os.fspath(value)
     if not isinstance(value, str) or (required and not value.strip()):
         raise ConfigError(f"{where}: give a directory path, got {value!r}")
     if value and Path(value).is_file():
