@@ -86,6 +86,9 @@ def taken_forward_args(module: torch.nn.Module, dummy_forward_args: dict[str, An
     nnScaler 0.8 ignores them; other mistakes raise TraceError (see check_forward_args)."""
     if not isinstance(dummy_forward_args, dict):
         return dummy_forward_args  # check_forward_args says what is wrong
+    # inspect.Parameter.empty is "no value" (nnScaler 0.8 reads it so): a dict built from forward's
+    # signature, `{k: p.default ...}` as its huggingface_nlp example does, gives it for **kwargs
+    dummy_forward_args = {k: v for k, v in dummy_forward_args.items() if v is not inspect.Parameter.empty}
     taken = check_forward_args(module, dummy_forward_args)
     return {k: v for k, v in dummy_forward_args.items() if k in taken}
 
