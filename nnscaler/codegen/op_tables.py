@@ -5,10 +5,14 @@ from __future__ import annotations
 
 __all__ = ["METHOD", "BINARY", "TORCH_FN", "F_FN"]
 
+# aten.view renders as `.reshape`: a view that held at capture can meet a tensor of other strides on a
+# rank (an all-to-all's or a gather's output is contiguous where the traced value was a transposed
+# view of a transposed layout, and capture drops the `.contiguous()` that was a no-op there);
+# `reshape` is that same view whenever one exists and a copy otherwise.
 METHOD = {  # aten op -> tensor method taking the remaining positional args
-    "aten.view.default": "view",
+    "aten.view.default": "reshape",
     "aten.reshape.default": "reshape",
-    "aten._unsafe_view.default": "view",
+    "aten._unsafe_view.default": "reshape",
     "aten.transpose.int": "transpose",
     "aten.permute.default": "permute",
     "aten.unsqueeze.default": "unsqueeze",

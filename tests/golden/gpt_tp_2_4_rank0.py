@@ -105,8 +105,8 @@ class GenModel(ParallelModule):
 
         # ---- top level ---------------------------------------------------------------------------------
         # model.py:142  return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        view_8 = linear_8.view([-1, 64])  # local [64, 64] of [64, 128]
-        view_9 = targets.view([-1])
+        view_8 = linear_8.reshape([-1, 64])  # local [64, 64] of [64, 128]
+        view_9 = targets.reshape([-1])
         cross_entropy_loss = comm.vocab_parallel_cross_entropy(view_8, view_9, 0, tp, ignore_index=-1, reduction='mean')
         del linear_8, view_8, view_9
         return cross_entropy_loss
@@ -123,20 +123,20 @@ class GenModel(ParallelModule):
         del layer_norm_tp
         split, split_1, split_2 = linear.split(32, dim=2)
         # model.py:58  q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        view = split.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
+        view = split.reshape([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
         transpose = view.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
         # model.py:59  k = k.view(B, T, self.n_head, head_dim).transpose(1, 2)
-        view_1 = split_1.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
+        view_1 = split_1.reshape([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
         transpose_1 = view_1.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
         # model.py:60  v = v.view(B, T, self.n_head, head_dim).transpose(1, 2)
-        view_2 = split_2.view([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
+        view_2 = split_2.reshape([idx_size0, idx_size1, 2, 16])  # local [4, 16, 2, 16] of [4, 16, 4, 16]
         transpose_2 = view_2.transpose(1, 2)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
         # model.py:61  y = F.scaled_dot_product_attention(
         scaled_dot_product_attention = F.scaled_dot_product_attention(transpose, transpose_1, transpose_2, is_causal=True)  # local [4, 2, 16, 16] of [4, 4, 16, 16]
         del linear, split, split_1, split_2, view, transpose, view_1, transpose_1, view_2, transpose_2
         # model.py:64  y = y.transpose(1, 2).contiguous().view(B, T, C)
         transpose_3 = scaled_dot_product_attention.transpose(1, 2)  # local [4, 16, 2, 16] of [4, 16, 4, 16]
-        view_3 = transpose_3.view([idx_size0, idx_size1, 32])  # local [4, 16, 32] of [4, 16, 64]
+        view_3 = transpose_3.reshape([idx_size0, idx_size1, 32])  # local [4, 16, 32] of [4, 16, 64]
         # model.py:65  return self.resid_dropout(self.c_proj(y))
         linear_1_partial = F.linear(view_3, p.attn_c_proj_weight)  # row-parallel
         del scaled_dot_product_attention, transpose_3, view_3
