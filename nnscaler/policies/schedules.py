@@ -147,8 +147,8 @@ def simulate(
                     break
                 start = max([clock[g]] + [done[d] for d in deps])
                 cost = forward_time if a.kind == "F" else backward_time
-                if a.kind == "W" or (a.stage, a.micro) in split:
-                    cost /= 2
+                if a.kind == "W" or (a.kind == "B" and (a.stage, a.micro) in split):
+                    cost /= 2  # a forward is whole whether or not its backward is split
                 cost /= nstages // pp_size  # a virtual stage holds 1/chunks of the group's layers
                 clock[g] = start + cost
                 busy[g] += cost

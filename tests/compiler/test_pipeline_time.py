@@ -47,21 +47,40 @@ def test_interleaved_hops_count_every_stage_boundary():
 
 def test_zero_bubble_schedules_against_the_papers_formulas():
     # F = B = W = 1 s per micro-batch on each of 4 devices
-    zb = pipeline_timing("zb_h1", [3.0] * 4, 4, 8)
+    zb = pipeline_timing("zb_h1", [3.0] * 4, 4, 8, as_run=False)
     assert zb.bubble == pytest.approx(3 * (1 + 1 - 1))  # (p - 1)(F + B - W)
     assert zb.inflight == (4.0, 3.0, 2.0, 1.0)  # 1F1B's memory
     # zbv: two stages per device in a V, F = B = W: no bubble
-    v = pipeline_timing("zbv", [1.5] * 8, 4, 8)
+    v = pipeline_timing("zbv", [1.5] * 8, 4, 8, as_run=False)
     assert v.busy == pytest.approx(24.0) and v.bubble == pytest.approx(0.0)
     # with recompute (F:B:W = 1:2:1 of 4 s): (p - 1)(F + B - 2W) / 2 = 3 x (1 + 2 - 2) / 2
-    rc = pipeline_timing("zbv", [2.0] * 8, 4, 8, split=StageSplit.for_recompute(True))
+    rc = pipeline_timing("zbv", [2.0] * 8, 4, 8, split=StageSplit.for_recompute(True), as_run=False)
     assert rc.bubble == pytest.approx(1.5)
     # dualpipev, p = 8, chunks F = B = W = 0.5: (p/2 - 1)(F&B + B - 3W) = 3 x (1 + 0.5 - 1.5) = 0
-    d = pipeline_timing("dualpipev", [1.5] * 16, 8, 16)
+    d = pipeline_timing("dualpipev", [1.5] * 16, 8, 16, as_run=False)
     assert d.bubble == pytest.approx(0.0) and d.inflight == (9.0,) * 8
     # ordering at equal stage times: 1F1B > ZB-H1 > ZB-V
     one = pipeline_timing("1f1b", [3.0] * 4, 4, 8)
-    assert one.step > zb.step > pipeline_timing("zbv", [1.5] * 8, 4, 8).step
+    assert one.step > zb.step > pipeline_timing("zbv", [1.5] * 8, 4, 8, as_run=False).step
+
+
+def test_zero_bubble_priced_as_the_runtime_orders_run():
+    """By hand, zb_h1 on 2 devices, 2 micro-batches, F = B = W = 1 s. The runtime's orders: device 0
+    F0 F1 B0 W0 B1 W1, device 1 F0 B0 W0 F1 B1 W1. Device 1: F0 [1, 2], B0 [2, 3], W0 [3, 4], F1 [4, 5],
+    B1 [5, 6], W1 [6, 7]; device 0: F0 [0, 1], F1 [1, 2], B0 waits for device 1's B0: [3, 4], W0 [4, 5],
+    B1 waits: [6, 7], W1 [7, 8]. Step 8 s for 6 s of work: a 2 s bubble, (p - 1)(F + B) (1F1B: 3 s, the
+    paper's ZB-H1: 1 s)."""
+    zb = pipeline_timing("zb_h1", [3.0, 3.0], 2, 2)
+    assert (zb.busy, zb.bubble, zb.step) == pytest.approx((6.0, 2.0, 8.0))
+    assert pipeline_timing("1f1b", [3.0, 3.0], 2, 2).bubble == pytest.approx(3.0)
+    # the cycle repeats past 2 x stages micro-batches: the same bubble at 8 and 64
+    assert pipeline_timing("zb_h1", [3.0] * 4, 4, 8).bubble == pytest.approx(
+        pipeline_timing("zb_h1", [3.0] * 4, 4, 64).bubble
+    )
+    # the V's fill and drain, which the steady-state formula leaves out, are priced: more than 0, less
+    # than ZB-H1's
+    v = pipeline_timing("zbv", [1.5] * 8, 4, 8)
+    assert 0.0 < v.bubble < pipeline_timing("zb_h1", [3.0] * 4, 4, 8).bubble
 
 
 def test_v_shape_maps_stage_s_and_its_mirror_to_one_device():

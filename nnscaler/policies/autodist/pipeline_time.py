@@ -12,6 +12,12 @@ device time T = F + B + W per micro-batch:
 
 - gpipe, 1f1b: (p - 1) T (Narayanan et al. 2019/2021); step = (m + p - 1) T.
 - 1f1b_interleaved, v stages per device: (p - 1) T / v (Narayanan et al. 2021, Megatron-LM).
+- zb_h1, zbv, dualpipev: priced as the runtime runs them (`as_run`, the default): the bubble of the
+  runtime's own order of F, B and W actions (nnscaler.policies.schedules.simulate, equal stages, the
+  cycle repeated from 2 x stages micro-batches on, where the fill and drain no longer change), which
+  keeps 1F1B's memory strictly in ZB-H1: (p - 1)(F + B) there, and fill and drain the papers'
+  steady-state formulas leave out in the V schedules (0.5 T at p = 4). The papers' formulas
+  (`as_run=False`):
 - zb_h1: (p - 1)(F + B - W) (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ZB-H1): W fills the
   cool-down; memory as 1F1B.
 - zbv, two stages per device in a V: (p - 1)(F + B - 2W) / 2, never below 0 (the ZB-V schedule: each
@@ -25,7 +31,11 @@ critical path (forward activations in, gradients back), whatever the schedule.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+from nnscaler.errors import PlanError
+from nnscaler.policies.schedules import simulate
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -104,9 +114,11 @@ def pipeline_timing(
     nmicros: int,
     hop: float = 0.0,
     split: StageSplit = StageSplit(),
+    as_run: bool = True,
 ) -> PipelineTiming:
     """The step of `schedule` over `pp` devices for stages taking `stage_times` seconds (forward +
-    backward of one micro-batch each), `nmicros` micro-batches, `hop` seconds per stage-to-stage send."""
+    backward of one micro-batch each), `nmicros` micro-batches, `hop` seconds per stage-to-stage send;
+    zero-bubble schedules by the runtime's order (`as_run`) or the papers' formulas."""
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}: use one of {PIPELINE_SCHEDULES}")
     nstages = len(stage_times)
@@ -121,6 +133,12 @@ def pipeline_timing(
         bubble = (pp - 1) * t_dev
     elif schedule == "1f1b_interleaved":
         bubble = (pp - 1) * t_dev / v
+    elif (
+        as_run
+        and schedule in _SPLIT_BACKWARD
+        and _run_bubble(schedule, nstages, pp, nmicros, split) is not None
+    ):
+        bubble = _run_bubble(schedule, nstages, pp, nmicros, split) * t_dev
     elif schedule == "zb_h1":
         bubble = (pp - 1) * max(f + b - w, 0.0)
     elif schedule == "zbv":
@@ -130,6 +148,28 @@ def pipeline_timing(
         bubble = max(pp / 2 - 1, 0.0) * max((fc + bc) + bc - 3 * wc, 0.0)
     hops = 2 * (nstages - 1) * hop
     return PipelineTiming(busy + bubble + hops, busy, bubble, hops, _inflight(schedule, pp, v, nmicros))
+
+
+_SPLIT_BACKWARD = ("zb_h1", "zbv", "dualpipev")
+
+
+def _run_bubble(schedule: str, nstages: int, pp: int, nmicros: int, split: StageSplit) -> float | None:
+    """Idle time of the slowest device in units of its time per micro-batch, running the runtime's own
+    order (None where the runtime refuses the shape)."""
+    return _simulated_bubble(
+        schedule, nstages, pp, min(nmicros, 2 * nstages), split.forward, split.input_grad + split.weight_grad
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def _simulated_bubble(
+    schedule: str, nstages: int, pp: int, nmicros: int, forward: float, backward: float
+) -> float | None:
+    try:
+        t = simulate(schedule, nstages, pp, nmicros, forward, backward)
+    except PlanError:
+        return None
+    return (t.makespan - max(t.busy)) / (forward + backward)
 
 
 def _inflight(schedule: str, pp: int, v: int, nmicros: int) -> tuple[float, ...]:
