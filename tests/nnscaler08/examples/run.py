@@ -31,6 +31,8 @@ class Run:
     commands: list[list[str]]
     args: str = ""
     """The run-size options given on the command line (the examples' own flags), for the table."""
+    shims: bool = False
+    """Run with shims/sitecustomize.py (nnScaler 0.8 internals the example imports; listed there)."""
     tb_dir: str | None = None
     """Read losses from TensorBoard event files under cwd/tb_dir (else from '# train_loss' lines)."""
     losses: list[float] = field(default_factory=list)
@@ -153,18 +155,21 @@ def runs(train_cli: str) -> list[Run]:
             "examples/huggingface_nlp",
             [torchrun(1, "compile_hf.py", "-m", "{assets}/tiny_llama_hf", "-d", "hf_cache", "-l", "hf_logs")],
             "-m <tiny llama> (compile + 10 train steps, as shipped)",
+            shims=True,
         ),
         Run(
             "swin megatron tp 2",
             ".",
             [torchrun(2, "examples/vision/swin/train.py", "--policy", "megatron", "--tp_size", "2")],
             "--policy megatron --tp_size 2",
+            shims=True,
         ),
         Run(
             "swin mesh_shard tp 2",
             ".",
             [torchrun(2, "examples/vision/swin/train.py", "--policy", "mesh_shard", "--tp_size", "2")],
             "--policy mesh_shard --tp_size 2",
+            shims=True,
         ),
         Run(
             "swin 1f1b pp 2",
@@ -175,6 +180,7 @@ def runs(train_cli: str) -> list[Run]:
                 )
             ],
             "--policy 1f1b --pp_size 2 --gbs 8",
+            shims=True,
         ),
     ]
 
@@ -215,6 +221,9 @@ def tb_losses(root: Path, since: float) -> list[float]:
 
 def execute(run: Run, ex: Path, logs: Path, env: dict[str, str], timeout: int) -> None:
     cwd = ex / run.cwd
+    if run.shims:
+        env = dict(env, PYTHONPATH=f"{HERE / 'shims'}:{HERE.parent}:{env['PYTHONPATH']}")
+        env["NNSCALER08_UPSTREAM"] = str(ex)
     log = logs / f"{re.sub(r'[^a-z0-9]+', '_', run.name.lower())}.log"
     t0 = time.time()
     text = ""
