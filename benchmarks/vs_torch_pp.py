@@ -10,21 +10,23 @@ layer k * layers / n; the embedding on the first stage, the final norm, head and
 - torch: each rank's stages as `PipelineStage`s of hand-cut stage modules (the same weights) run by
   the matching schedule: 1f1b -> `Schedule1F1B`, 1f1b_interleaved (two stages per rank) ->
   `ScheduleInterleaved1F1B`, zb_h1 -> `ScheduleInterleavedZeroBubble` (one stage per rank), zbv
-  (two stages per rank in a V) -> `ScheduleZBVZeroBubble`. A zero-bubble row runs only when our
-  scheduler name is in `nnscaler.policies.plan.SCHEDULERS`; otherwise it prints as pending.
+  (two stages per rank in a V) -> `ScheduleZBVZeroBubble`, dualpipev -> `ScheduleDualPipeV`. A
+  zero-bubble row runs our side only when our scheduler name is in
+  `nnscaler.policies.plan.SCHEDULERS`; otherwise it prints as pending (torch's side alone).
 
 Bubble: each rank's compute time is the wall time inside the stage forwards and backwards (ours: the
 generated `stage*` methods and `PipelineStep.backward*`; torch's: `forward_one_chunk`,
 `backward_one_chunk`, `backward_weight_one_chunk`), timed by wrappers installed in this benchmark's
 processes; a rank's bubble share is 1 - compute / step wall time, averaged over the timed steps.
 
-    python benchmarks/vs_torch_pp.py [--schedules 1f1b 1f1b_interleaved zb_h1 zbv] [--nmicros 8] [--profile]
+    python benchmarks/vs_torch_pp.py [--schedules 1f1b 1f1b_interleaved zb_h1 zbv dualpipev] [--nmicros 8] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -61,6 +63,7 @@ TORCH_SCHEDULES = {
     "1f1b_interleaved": ("ScheduleInterleaved1F1B", 2, "loop"),
     "zb_h1": ("ScheduleInterleavedZeroBubble", 1, "loop"),
     "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
+    "dualpipev": ("ScheduleDualPipeV", 2, "v"),
 }
 
 
@@ -187,9 +190,11 @@ def torch_step(args: argparse.Namespace, schedule: str, timer: ComputeTimer) -> 
     for s in stage_ids(rank, per_rank, placement):
         module = LlamaStage(model, starts[s], starts[s + 1], first=s == 0, last=s == nstages - 1)
         stages.append(pipelining.PipelineStage(module, s, nstages, torch.device("cpu")))
+    del model  # the layers of other ranks' stages are freed: each rank holds its stages only
+    gc.collect()
     cls = getattr(pipelining, cls_name)
     sched = cls(stages[0] if cls_name == "Schedule1F1B" else stages, args.nmicros, loss_fn=lm_loss)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW([p for stage in stages for p in stage.submod.parameters()], lr=1e-4)
     data = micro_batches(args)
     ids = torch.cat([d["input_ids"] for d in data])
     labels = torch.cat([d["labels"] for d in data])
@@ -203,7 +208,7 @@ def torch_step(args: argparse.Namespace, schedule: str, timer: ComputeTimer) -> 
             sched.step(ids, **kwargs) if holds_first else sched.step(**kwargs)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        mean = torch.stack(losses).mean() if losses else torch.zeros(())
+        mean = torch.stack(losses).detach().mean() if losses else torch.zeros(())
         dist.broadcast(mean, src=_last_rank(per_rank, placement))
         return float(mean)
 
@@ -270,7 +275,10 @@ def run_schedule(args: argparse.Namespace, schedule: str) -> dict[str, Any]:
         nnscaler.parallelize(
             build_llama(args), data[0], "pp", _ours_config(args, schedule), gen_savedir=gen, load_module=False
         )
-        ours_ranks = launch(worker, WORLD, args, "ours", schedule, gen)
+        try:
+            ours_ranks = launch(worker, WORLD, args, "ours", schedule, gen)
+        except Exception as e:  # noqa: BLE001  a failing row is reported, the others still run
+            return {**row, "status": f"ours failed: {type(e).__name__}: {str(e).strip()[-600:]}"}
     theirs_ranks = launch(worker, WORLD, args, "torch", schedule, "")
     ours = _with_bubble(side_summary(ours_ranks), ours_ranks)
     theirs = _with_bubble(side_summary(theirs_ranks), theirs_ranks)
