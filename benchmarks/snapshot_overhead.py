@@ -1,9 +1,10 @@
 """Step time with and without in-memory snapshots (nnscaler.cli.elastic), and the bytes they keep.
 
-    python benchmarks/snapshot_overhead.py [--steps 30] [--rounds 2] [--plan 2 --runtime 4] [--every 1]
+    python benchmarks/snapshot_overhead.py [--steps 30] [--rounds 2] [--plan 2 --runtime 4] [--every auto|N]
 
 Trains the nanoGPT example's Trainer config (examples/nanogpt/train_cli.yaml: its default model, tp 2 x
-dp 2 on 4 gloo processes, offline corpus) alternately without snapshots and with `snapshot_every`,
+dp 2 on 4 gloo processes as 2 simulated nodes, offline corpus) alternately without snapshots and with
+`snapshot_every` (`auto`: the default under torchrun --max-restarts),
 `--rounds` times each, so that drift in machine load hits both alike. The step time is the Trainer's
 `train/step_time` (the boundary's copy included; the background write shows up in the next step), the
 median over the steps after `--warmup`. Bytes: one rank's serialized snapshot; the most a rank can
@@ -50,7 +51,8 @@ class TimedTrainer(Trainer):
                 self.peak_dir_bytes = max(self.peak_dir_bytes, size)
 
 
-def _run(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
+def _run(rank: int, world: int, argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+    os.environ.update(env)  # after the spawn helper's own LOCAL_WORLD_SIZE: simulated nodes
     trainer = TimedTrainer(argv)
     trainer.run()
     writer = trainer.elastic.writer
@@ -62,10 +64,12 @@ def _run(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
         else 0,
         "peak_dir_bytes": trainer.peak_dir_bytes,
         "ranks_per_node": writer.member.local_world_size if writer is not None else world,
+        "every_at_end": writer.every if writer is not None else 0,
     }
 
 
-def _argv(args: argparse.Namespace, tmp: Path, every: int) -> list[str]:
+def _argv(args: argparse.Namespace, tmp: Path, every: str) -> list[str]:
+    snapshots = [] if every == "auto" else ["--snapshot_every", every]
     return [
         "-f",
         str(CONFIG),
@@ -84,10 +88,9 @@ def _argv(args: argparse.Namespace, tmp: Path, every: int) -> list[str]:
         "--checkpoint.no_save",
         "--gen_savedir",
         str(tmp / "gen"),
-        "--snapshot_every",
-        str(every),
         "--snapshot_dir",
         str(Path(args.snapshot_parent) / f"nnscaler-bench-{os.getpid()}"),
+        *snapshots,
     ]
 
 
@@ -100,17 +103,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--plan", type=int, default=2)
     parser.add_argument("--runtime", type=int, default=4)
-    parser.add_argument("--every", type=int, default=1, help="snapshot_every of the runs with snapshots")
+    parser.add_argument(
+        "--every",
+        default="auto",
+        help="snapshot_every of the runs with snapshots: a number, or auto (the default under torchrun "
+        "--max-restarts: every step where it costs at most 5%% of a step, else the interval where it does)",
+    )
     parser.add_argument("--snapshot-parent", default="/dev/shm")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=2,
+        help="simulated nodes of this many ranks (peer copies between them)",
+    )
     args = parser.parse_args(argv)
+    env = {"LOCAL_WORLD_SIZE": str(args.ranks_per_node), "TORCHELASTIC_MAX_RESTARTS": "3"}  # as torchrun
     times: dict[str, list[float]] = {"off": [], "on": []}
     sizes: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="snapshot-bench-") as tmp:
         for _ in range(args.rounds):
-            for name, every in (("off", 0), ("on", args.every)):
-                results = spawn(_run, args.runtime, tmp, _argv(args, Path(tmp), every), timeout=1800)
+            for name, every in (("off", "0"), ("on", args.every)):
+                results = spawn(_run, args.runtime, tmp, _argv(args, Path(tmp), every), env, timeout=1800)
                 times[name] += [t for r in results for t in r["step_times"][args.warmup :]]
-                if every:
+                if name == "on":
                     sizes = results[0]
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     per_node = sizes.get("ranks_per_node") or 1
@@ -121,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 "plan_ngpus": args.plan,
                 "runtime_ngpus": args.runtime,
                 "snapshot_every": args.every,
+                "snapshot_every_chosen": sizes.get("every_at_end"),
                 "steps_timed": {k: len(v) for k, v in times.items()},
                 "step_time_s_without": round(off, 5),
                 "step_time_s_with": round(on, 5),

@@ -176,7 +176,8 @@ class TrainerArgs:
     snapshot_every: int | None = None
     """Elastic training: copy each rank's training state to host memory (tmpfs) every N optimizer steps,
     with a peer copy on another node, so a restart under torchrun's elastic agent resumes from it (0: off;
-    None: 1 under torchrun with --max-restarts above 0, else off; see docs/elastic.md)."""
+    None: under torchrun with --max-restarts above 0, every step where a snapshot costs at most 5% of a
+    step, else the smallest interval where it does; off elsewhere; see docs/elastic.md)."""
     snapshot_dir: str | None = None
     """This node's in-memory snapshot directory (default $NNSCALER_SNAPSHOT_DIR, else
     /dev/shm/nnscaler-snapshots/uid{uid}-{torchrun's --rdzv-id})."""

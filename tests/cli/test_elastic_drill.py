@@ -84,11 +84,15 @@ def test_node_lost_mid_run_resumes_from_memory_on_the_survivor(tmp_path):
     assert "grad_accumulation_steps 2 -> 4" in log
 
     # the same world change by plan: 4 ranks to the resumed step, a disk checkpoint, 2 ranks on
+    # (the code generated for 4 ranks by node b and for 2 by node a is reused: generation is deterministic)
     ref = tmp_path / "ref"
     ref.mkdir()
-    before = spawn(_train, 4, ref, _argv(ref, "r4", steps=resumed))[0]
+    before = spawn(
+        _train, 4, ref, _argv(ref, "r4", steps=resumed) + ["--gen_savedir", str(tmp_path / "gen-b")]
+    )[0]
     last = str(ref / "ckpt" / "last")
-    rest = spawn(_train, 2, ref, _argv(ref, "r2", runtime=2, **{"checkpoint.resume_from": last}))[0]
+    rest_argv = _argv(ref, "r2", runtime=2, **{"checkpoint.resume_from": last})
+    rest = spawn(_train, 2, ref, rest_argv + ["--gen_savedir", str(tmp_path / "gen-a")])[0]
     drill_losses = {r["step"]: r["loss"] for r in records}  # a redone step keeps its second loss
     expected = dict(enumerate(before + rest, start=1))
     assert drill_losses.keys() == expected.keys()

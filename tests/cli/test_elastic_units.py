@@ -50,20 +50,21 @@ def test_inventory_lists_only_complete_rank_files(tmp_path):
     assert store.inventory(tmp_path) == {}
 
 
-def _meta(holder, world=4):
-    return {"world_size": world, "holder": holder}
+def _meta(holder, world=4, node=0):
+    return {"world_size": world, "holder": holder, "node": node}
 
 
 def test_newest_step_complete_over_the_surviving_nodes():
     survivor = {
-        7: {0: _meta("own"), 1: _meta("own"), 2: _meta("peer")},  # rank 3's peer copy never arrived
-        6: {0: _meta("own"), 1: _meta("own"), 2: _meta("peer"), 3: _meta("peer")},
+        7: {0: _meta("own"), 1: _meta("own"), 2: _meta("peer", node=1)},  # rank 3's copy never arrived
+        6: {0: _meta("own"), 1: _meta("own"), 2: _meta("peer", node=1), 3: _meta("peer", node=1)},
     }
-    other = {7: {3: _meta("own")}}
+    other = {7: {3: _meta("own", node=1)}}
     found = Survey(nodes={"a": survivor}, reached=7)
-    assert found.complete_step() == 6 and found.lost_ranks(6) == [2, 3]
+    assert found.complete_step() == 6 and found.lost_ranks(6) == [2, 3] and found.lost_nodes(6) == [1]
     found = Survey(nodes={"a": survivor, "c": other}, reached=7)
     assert found.complete_step() == 7 and found.lost_ranks(7) == [2]
+    assert found.lost_nodes(7) == [1]
     mixed = {8: {0: _meta("own", 2), 1: _meta("own", 4)}}  # files of two different worlds
     assert Survey(nodes={"a": mixed}, reached=8).complete_step() is None
 
@@ -75,3 +76,16 @@ def test_snapshot_every_defaults_to_every_step_only_under_a_restarting_agent(mon
     assert resolved_snapshot_every(None) == 1 and resolved_snapshot_every(0) == 0
     with pytest.raises(ConfigError, match="snapshot_every must be >= 0"):
         _args(tmp_path, snapshot_every=-1)
+
+
+def test_auto_interval_keeps_snapshots_within_five_percent_of_the_training_time(tmp_path):
+    from nnscaler.cli.elastic.membership import Membership
+    from nnscaler.cli.elastic.snapshot import SnapshotWriter
+
+    member = Membership(rank=0, world_size=1, local_world_size=1, restart_count=0, run_id="t")
+    writer = SnapshotWriter(1, tmp_path, member, None, auto=True)
+    assert writer._proposed_every(0.001, 0.004) == 1  # nothing timed yet: every step
+    writer.quiet_seconds = [0.1, 0.1, 0.1]
+    assert writer._proposed_every(0.001, 0.004) == 1  # 5 ms of a 100 ms step: fits
+    writer.busy_seconds = [0.2]  # a step with a write in it took 100 ms longer
+    assert writer._proposed_every(0.001, 0.004) == 21  # 101 ms every 21 steps of 100 ms: under 5%

@@ -81,7 +81,8 @@ class Elastic:
             store.write_atomic(root / AGENT_FILE, agent.encode())
         if group is not None:
             dist.barrier(group=group)
-        self.writer = SnapshotWriter(every, root, member, group)
+        auto = args.snapshot_every is None and every > 0
+        self.writer = SnapshotWriter(every, root, member, group, auto=auto)
         return self
 
     def _point_resume(self, trainer: Any, root: Any, member: Membership, group: Any, what: str) -> None:
@@ -101,7 +102,11 @@ class Elastic:
             say(
                 trainer.rank,
                 f"{what}: world {old_world} -> {member.world_size} ranks; "
-                + (f"lost ranks {lost} (their peer copies survive); " if lost else "no rank's memory lost; ")
+                + (
+                    f"lost ranks {lost} of node(s) {found.lost_nodes(step)} (their peer copies survive); "
+                    if lost
+                    else "no rank's memory lost; "
+                )
                 + f"newest complete snapshot: step {step}",
             )
         else:
@@ -155,8 +160,9 @@ class Elastic:
 
 
 def resolved_snapshot_every(value: int | None) -> int:
-    """TrainerArgs.snapshot_every, with None: every step under torchrun's elastic agent when it may
-    restart the workers (--max-restarts above 0), else never (nothing would restart from them)."""
+    """TrainerArgs.snapshot_every, with None: 1 under torchrun's elastic agent when it may restart the
+    workers (--max-restarts above 0; the interval then adapts to the snapshots' cost), else 0 (nothing
+    would restart from them)."""
     if value is not None:
         return value
     return 1 if _max_restarts() > 0 else 0

@@ -56,6 +56,11 @@ class Survey:
         own = {r for inv in self.nodes.values() for r, m in inv.get(step, {}).items() if m["holder"] == "own"}
         return sorted(set(self.files(step)) - own)
 
+    def lost_nodes(self, step: int) -> list[int]:
+        """The old world's node indices of the lost ranks."""
+        files = self.files(step)
+        return sorted({files[r].get("node", -1) for r in self.lost_ranks(step)})
+
 
 def survey(root: Path, member: Membership, group: Any) -> Survey:
     """Every node's inventory (one all-gather over the side group)."""
