@@ -50,8 +50,10 @@ def tiny_tokenizer(out_dir: str | Path) -> int:
 def tiny_llama(out_dir: str | Path, layers: int = 4) -> Path:
     """A Llama config (hidden 64, 4 heads, 2 kv heads) and tokenizer under `out_dir`, loadable with
     AutoConfig / AutoTokenizer / AutoModelForCausalLM.from_pretrained (random weights saved too)."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    torch.manual_seed(0)  # the same random weights every run
     out = Path(out_dir)
     vocab = tiny_tokenizer(out)
     cfg = LlamaConfig(
@@ -73,8 +75,10 @@ def tiny_llama(out_dir: str | Path, layers: int = 4) -> Path:
 
 def tiny_vit(out_dir: str | Path, image: int = 32) -> Path:
     """A ViT (image 32, patch 8, hidden 64, 2 layers) and its image processor under `out_dir`."""
+    import torch
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
+    torch.manual_seed(0)  # the same random weights every run
     out = Path(out_dir)
     cfg = ViTConfig(
         image_size=image,
