@@ -9,6 +9,7 @@ The Trainer calls `Elastic.prepare` once the process group exists (before compil
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -157,6 +158,9 @@ class Elastic:
             dist.barrier(group=w.group)
         if w.member.is_node_leader:
             store.clear(w.root)
+            (w.root / AGENT_FILE).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # left when it holds anything else
+                w.root.rmdir()
 
 
 def resolved_snapshot_every(value: int | None) -> int:
