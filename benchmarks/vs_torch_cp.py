@@ -145,8 +145,8 @@ def cp_kernel_table() -> str:
     from torch.distributed.tensor.experimental import _attention as public
 
     module = sys.modules.get("torch.distributed.tensor.experimental._context_parallel._attention", public)
-    source, start = inspect.getsourcelines(module)
-    line = next((start + i for i, text in enumerate(source) if text.startswith("custom_ops = {")), start)
+    source, _ = inspect.getsourcelines(module)  # a module's source starts at line 1
+    line = next((i + 1 for i, text in enumerate(source) if text.startswith("custom_ops = {")), 0)
     return f"{os.path.relpath(inspect.getfile(module), os.path.dirname(torch.__file__))}:{line}"
 
 
