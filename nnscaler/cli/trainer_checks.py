@@ -230,8 +230,8 @@ def check_trainer_args(args: Any) -> None:
     _file_ok("tracing_from_weights", args.tracing_from_weights)
     check_loadable("dummy_sample_gen_fn", args.dummy_sample_gen_fn)
     check_loadable("init_env_fn", args.init_env_fn)
-    for name in ("max_epochs", "max_train_steps"):
-        _count(name, getattr(args, name), 0)
+    for name in ("max_epochs", "max_train_steps"):  # < 0: set up, train no step (nnScaler 0.8's tests)
+        _count(name, getattr(args, name), -1 if getattr(args, name) == -1 else 0)
     for name in (
         "max_val_steps",
         "val_every_n_train_steps",
