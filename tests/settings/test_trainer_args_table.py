@@ -223,8 +223,11 @@ INVALID: dict[str, list[Row]] = {
         R(-1, "out of range"),
         R(3, "contradiction", {"global_batch_size": 4}, says="inconsistent"),
     ],
-    "max_epochs": [R(-1, "out of range"), R("many", "wrong type")],
-    "max_train_steps": [R(-1, "out of range"), R(None, "neither limit given", says="max_epochs")],
+    "max_epochs": [R(-2, "out of range (-1: set up only, as nnScaler 0.8)"), R("many", "wrong type")],
+    "max_train_steps": [
+        R(-2, "out of range (-1: set up only, as nnScaler 0.8)"),
+        R(None, "neither limit given", says="max_epochs"),
+    ],
     "max_val_steps": [R(-1, "out of range"), R(5, "cannot apply: no validation set", says="val_args")],
     "val_every_n_train_steps": [
         R(-1, "out of range"),
