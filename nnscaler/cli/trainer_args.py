@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import importlib
 import logging
+import os
 import random
 from dataclasses import asdict, dataclass, field
 from typing import Any, Union
@@ -204,6 +205,8 @@ class TrainerArgs:
         )  # the policy plans the micro-batches train_step is fed
         if self.snapshot_every is not None and self.snapshot_every < 0:
             raise ConfigError(f"snapshot_every must be >= 0 (0: no snapshots), got {self.snapshot_every}")
+        if self.snapshot_dir is not None and os.path.isfile(self.snapshot_dir):
+            raise ConfigError(f"snapshot_dir: {self.snapshot_dir} is a file; give a directory path")
         if self.run_mode not in ("run", "compile"):
             raise ConfigError(f"run_mode must be 'run' or 'compile', got {self.run_mode!r}")
         reuse_values = [e.value for e in ReuseType]

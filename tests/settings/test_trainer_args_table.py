@@ -237,6 +237,8 @@ INVALID: dict[str, list[Row]] = {
     "enable_progress_bar": [R("maybe", "wrong type")],
     "log_progress_every_n_train_steps": [R(-1, "out of range")],
     "seed": [R(-1, "out of range"), R(2**40, "out of numpy's range"), R("zero", "wrong type")],
+    "snapshot_every": [R(-1, "out of range"), R("often", "wrong type")],
+    "snapshot_dir": [R("tests/settings/test_trainer_args_table.py", "a file, not a directory")],
     "init_env_fn": [R(NO_FN, "unknown name"), R(NOT_CALLABLE, "not a function")],
 }
 for _name in HOOK_NAMES:
