@@ -159,7 +159,8 @@ TABLE: list[Row] = [
         "pipeline_scheduler",
         "gpipe",
         ("pp",),
-        "need pipeline_scheduler '1f1b_interleaved', not 'gpipe'",
+        r"need pipeline_scheduler '1f1b_interleaved' \(or, for exactly two per group, the V-shaped 'zbv' / "
+        r"'dualpipev'\), not 'gpipe'",
         also={"pipeline_nstages": 4},
     ),
     R(
