@@ -30,6 +30,8 @@ def test_signature_built_dummy_inputs_trace(tmp_path):
     assert dummy["kwargs"] is inspect.Parameter.empty
     pm = parallelize(model, dummy, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path, reuse="override")
     torch.testing.assert_close(pm(input_ids=x), model(input_ids=x))
+    # and called with that same dict, as the example calls it: the generated forward has no **kwargs
+    torch.testing.assert_close(pm(**{**dummy, "input_ids": x}), model(input_ids=x))
 
 
 def test_a_required_argument_given_as_empty_is_missing(tmp_path):

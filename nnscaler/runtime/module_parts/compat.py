@@ -6,6 +6,7 @@ ParallelModule), so code written for nnScaler runs unchanged: `reducers`, `param
 from __future__ import annotations
 
 import glob
+import inspect
 import os
 import re
 import warnings
@@ -35,6 +36,14 @@ class ParamsInfo:
 
 class ModuleCompatMixin:
     """Mixed into ParallelModule (it uses its `reducer`, `fullmap`, `state_dict`, ...)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """A keyword argument valued `inspect.Parameter.empty` is no argument, as at trace time: nnScaler
+        0.8's examples call the module with the dict they built from forward's signature (a
+        transformers model's `**kwargs` gives `kwargs=Parameter.empty`)."""
+        if kwargs:
+            kwargs = {k: v for k, v in kwargs.items() if v is not inspect.Parameter.empty}
+        return super().__call__(*args, **kwargs)
 
     @property
     def reducers(self) -> list[Any]:
