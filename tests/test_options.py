@@ -61,7 +61,8 @@ def test_wrong_types_name_the_field():
     with pytest.raises(ConfigError, match=r"pas_config\['pipeline_nstages'\].*int or 'auto', got True"):
         parse_pas_config("hybrid", {"pipeline_nstages": True})
     with pytest.raises(
-        ConfigError, match=r"pipeline_scheduler.*'1f1b' or 'gpipe' or '1f1b_interleaved', got 'zb'"
+        ConfigError,
+        match=r"pipeline_scheduler.*'1f1b' or 'gpipe' or '1f1b_interleaved' or 'zb_h1' or 'zbv' or 'dualpipev', got 'zb'",
     ):
         parse_pas_config("pp", {"pipeline_scheduler": "zb"})
     with pytest.raises(ConfigError, match=r"pipeline_stages.*a list of str or None, got \['a', 3\]"):

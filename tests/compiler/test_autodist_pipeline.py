@@ -83,7 +83,8 @@ def test_fixed_stage_count_gives_a_pipeline(zoo_graphs):
     graph = zoo_graphs["llama"][0]
     plan = make_plan(graph, "autodist", _e2e(pipeline_nstages=2, pipeline_nmicros=4))
     p = plan.pipeline
-    assert p is not None and (p.nstages, p.pp_size, p.nmicros, p.scheduler) == (2, 2, 4, "1f1b")
+    # one stage per device group: 1F1B or ZB-H1, whichever the search scores faster (here ZB-H1)
+    assert p is not None and (p.nstages, p.pp_size, p.nmicros, p.scheduler) == (2, 2, 4, "zb_h1")
     start = next(n for n in graph.nodes if n.name == p.starts[1])
     assert start.module_path.startswith("model.layers.1")  # two equal layers: one per stage
     assert plan.tp_size == 1 and plan.split_summary()["split"] == 0
