@@ -7,11 +7,17 @@
 # repository) and run unchanged; the runner only adds stand-ins for imports this package does not
 # have (listed in policy_runner.py). Not run by CI. Usage (from the repository root):
 #   [NNSCALER08_REPO=/path/to/nnscaler(.git)] tests/nnscaler08/run_policies.sh [WORKDIR]
+# (without NNSCALER08_REPO it clones microsoft/nnscaler's v0.8 into WORKDIR)
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO_ROOT="$(cd "$HERE/../.." && pwd)"
 WORK="${1:-/tmp/nns08_policies}"
-SRC="${NNSCALER08_REPO:-/work/.mirror/microsoft+nnscaler/repo}"
+SRC="${NNSCALER08_REPO:-}"
+if [ -z "$SRC" ]; then  # no local copy named: clone v0.8 from GitHub (needs the network once)
+  SRC="$WORK/nnscaler.git"
+  [ -d "$SRC" ] || git clone --quiet --bare --branch 0.8 https://github.com/microsoft/nnscaler "$SRC" \
+    || git clone --quiet --bare https://github.com/microsoft/nnscaler "$SRC"
+fi
 rm -rf "$WORK/upstream" && mkdir -p "$WORK/upstream"
 git -C "$SRC" archive HEAD nnscaler/policies.py examples/__init__.py examples/utils.py examples/vision \
   | tar -x -C "$WORK/upstream"
