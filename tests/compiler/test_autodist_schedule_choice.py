@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from nnscaler import ComputeConfig
+from nnscaler.errors import PlanError
 from nnscaler.policies import make_plan
 from nnscaler.policies.autodist import planner_setup, search
 from nnscaler.policies.autodist.context import stage_context, transient_bytes
@@ -155,3 +156,17 @@ def test_zero_bubble_is_chosen_where_faster_and_not_where_memory_forbids(zoo_gra
     same = next(c for c in _pipelined(again) if (c.tp, c.recompute) == (cand.tp, False))
     why = {o.scheduler: o.why_not for o in same.schedule_options}
     assert same.scheduler == "zb_h1" and "over the limit" in why["zbv"]
+
+
+def test_a_pinned_schedule_that_cannot_run_says_why_not_memory():
+    from nnscaler.graph.capture import capture
+    from tests import zoo
+
+    model, make_batch = zoo.build("llama_deep")
+    graph = capture(model, make_batch(1, 4))
+    cfg = _e2e(pipeline_nstages=4, pipeline_nmicros=2, pipeline_scheduler="dualpipev")
+    with pytest.raises(
+        PlanError, match=r"dualpipev with 2 micro-batches cannot run: .*micro-batches as stages"
+    ) as err:
+        make_plan(graph, "autodist", cfg)
+    assert "mem_constraint" not in str(err.value)

@@ -142,10 +142,24 @@ def _pipeline_candidates(
             except PlanError as exc:
                 refused.append((f"pp={pp} tp={tp}{' +recompute' if rc else ''}", str(exc)))
                 continue
+            cannot_run: list[str] = []
             scored = _score_pipeline(
-                graph, setup, res, ctx, pp, rc, limit, seg_starts, layer_paths, counts, user_pivots
+                graph,
+                setup,
+                res,
+                ctx,
+                pp,
+                rc,
+                limit,
+                seg_starts,
+                layer_paths,
+                counts,
+                user_pivots,
+                cannot_run,
             )
-            if not scored:
+            if not scored and cannot_run:  # every schedule refused the shape: say why, not memory
+                refused.append((f"pp={pp} tp={tp}{' +recompute' if rc else ''}", "; ".join(cannot_run)))
+            elif not scored:
                 refused.append(
                     (
                         f"pp={pp} tp={tp}{' +recompute' if rc else ''}",
@@ -159,7 +173,7 @@ def _pipeline_candidates(
 
 
 def _score_pipeline(
-    graph, setup, res, ctx, pp, rc, limit, layer_starts, layer_paths, counts, user_pivots=()
+    graph, setup, res, ctx, pp, rc, limit, layer_starts, layer_paths, counts, user_pivots=(), cannot_run=None
 ) -> list[Candidate]:
     """Stage boundaries, schedule and whole-step time of one (pp, tp, recompute) for each micro-batch
     count: `counts` maps stage counts to the schedules that run them (schedule_choice.py).
@@ -207,6 +221,8 @@ def _score_pipeline(
             options += [_cost_schedule(graph, setup, ctx, cut, s, pp, m, rc_any, limit) for s in schedules]
         best, costed = pick_schedule(options)
         if best is None:
+            if cannot_run is not None and all(o.why_not.startswith("cannot run") for o in costed):
+                cannot_run.extend(f"{o.scheduler} with {m} micro-batches {o.why_not}" for o in costed)
             continue
         cut = cuts[best.nstages]
         paths = layer_paths if own_rc else setup.recompute
